@@ -1,0 +1,1 @@
+"""Ray Serve deployments: thin wiring over encoder/, decoder/ and scheduler/."""
