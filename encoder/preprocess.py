@@ -1,0 +1,432 @@
+"""DeepSeek-OCR image preprocessing: decode an image and cut it into model views.
+
+This reproduces the reference preprocessing of DeepSeek-OCR (its HF
+``dynamic_preprocess`` / ``find_closest_aspect_ratio`` and the view modes of
+the vLLM / SGLang integrations) so that the encoder sees exactly the pixels the
+model was trained on.  Outputs are uint8 tensors; normalisation to [-1, 1]
+happens later, on the encoder's device (see :func:`normalize`).
+
+Plain Python + PIL + numpy + torch on purpose: this runs in request handlers
+and must not depend on Ray or on the model code.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+__all__ = [
+    "CROP_SIZE",
+    "MAX_IMAGE_PIXELS",
+    "MODES",
+    "ImageError",
+    "PreprocessedImage",
+    "ViewMode",
+    "candidate_grids",
+    "choose_grid",
+    "count_tokens",
+    "load_image",
+    "normalize",
+    "preprocess",
+]
+
+CROP_SIZE = 640
+# Default decompression-bomb limit (width * height), configurable per call.
+# Note: PIL refuses images above 2 * Image.MAX_IMAGE_PIXELS (~179 MP) in
+# Image.open itself; such images are rejected whatever max_pixels says.
+MAX_IMAGE_PIXELS = 64_000_000
+
+# The vision encoder turns every 64x64 pixel block into one token
+# (16x16 patches, then a 4x4 token compressor).
+_PIXELS_PER_TOKEN_SIDE = 64
+# Grey used by the reference to pad the global view (mean pixel, 0.5 * 255).
+_PAD_COLOR = (127, 127, 127)
+
+MIN_CROPS = 2
+MAX_CROPS_LIMIT = 9  # DeepSeek's HF code allows up to 9; vLLM/SGLang use 6.
+DEFAULT_MAX_CROPS = 6
+
+
+class ImageError(ValueError):
+    """Raised for every bad input image (undecodable, too large, wrong type...)."""
+
+
+@dataclass(frozen=True)
+class ViewMode:
+    base_size: int  # side of the global view, in pixels
+    crop: bool  # add 640x640 local crops for large images ("gundam")
+    pad: bool  # keep aspect and pad with grey (True) or stretch (False)
+
+
+MODES: dict[str, ViewMode] = {
+    "tiny": ViewMode(base_size=512, crop=False, pad=False),
+    "small": ViewMode(base_size=640, crop=False, pad=False),
+    "base": ViewMode(base_size=1024, crop=False, pad=True),
+    "large": ViewMode(base_size=1280, crop=False, pad=True),
+    "gundam": ViewMode(base_size=1024, crop=True, pad=True),
+}
+
+
+# eq=False: the fields are tensors, and a generated __eq__ comparing tensors
+# would raise ("Boolean value of Tensor ... is ambiguous").
+@dataclass(frozen=True, eq=False)
+class PreprocessedImage:
+    global_view: torch.Tensor  # uint8 [3, S, S], S = mode's base size
+    crops: torch.Tensor  # uint8 [P, 3, 640, 640]; P = 0 when not tiled
+    grid: tuple[int, int]  # (width tiles, height tiles); (1, 1) when not tiled
+    num_tokens: int  # length of this image's token sequence
+    mode: str
+    original_size: tuple[int, int]  # (width, height) after EXIF transpose
+
+    @property
+    def tiled(self) -> bool:
+        return self.grid != (1, 1)
+
+
+# ---------------------------------------------------------------------------
+# Grid choice (DeepSeek's dynamic_preprocess / find_closest_aspect_ratio)
+# ---------------------------------------------------------------------------
+
+
+def _reference_candidates(max_crops: int, min_crops: int) -> list[tuple[int, int]]:
+    """The reference expression, verbatim (order within a product = set order)."""
+    return sorted(
+        set(
+            (i, j)
+            for n in range(min_crops, max_crops + 1)
+            for i in range(1, n + 1)
+            for j in range(1, n + 1)
+            if min_crops <= i * j <= max_crops
+        ),
+        key=lambda x: x[0] * x[1],
+    )
+
+
+# The reference builds a Python set of (i, j) and sorts it by i * j only, so
+# the order of grids with the same product is whatever order CPython's set
+# iteration happens to produce.  That order matters: on an exact tie of aspect
+# difference, find_closest_aspect_ratio keeps the earlier candidate unless the
+# image is large enough.  We pin the order the model was used with (computed
+# with _reference_candidates on CPython 3.11; tuples of small ints hash
+# deterministically, hash randomisation does not affect them) so that a
+# different interpreter cannot silently change which grid is chosen.
+# Keyed by (max_crops, min_crops).
+_PINNED_CANDIDATES: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
+    (2, 2): ((1, 2), (2, 1)),
+    (3, 2): ((1, 2), (2, 1), (3, 1), (1, 3)),
+    (4, 2): ((1, 2), (2, 1), (3, 1), (1, 3), (4, 1), (1, 4), (2, 2)),
+    (5, 2): ((1, 2), (2, 1), (3, 1), (1, 3), (4, 1), (1, 4), (2, 2), (1, 5), (5, 1)),
+    (6, 2): (
+        (1, 2), (2, 1), (3, 1), (1, 3), (4, 1), (1, 4), (2, 2), (1, 5), (5, 1),
+        (6, 1), (2, 3), (1, 6), (3, 2),
+    ),
+    (7, 2): (
+        (1, 2), (2, 1), (3, 1), (1, 3), (4, 1), (1, 4), (2, 2), (1, 5), (5, 1),
+        (6, 1), (2, 3), (1, 6), (3, 2), (7, 1), (1, 7),
+    ),
+    (8, 2): (
+        (1, 2), (2, 1), (3, 1), (1, 3), (2, 2), (4, 1), (1, 4), (5, 1), (1, 5),
+        (1, 6), (6, 1), (3, 2), (2, 3), (7, 1), (1, 7), (4, 2), (2, 4), (1, 8),
+        (8, 1),
+    ),
+    (9, 2): (
+        (1, 2), (2, 1), (3, 1), (1, 3), (2, 2), (4, 1), (1, 4), (5, 1), (1, 5),
+        (1, 6), (6, 1), (3, 2), (2, 3), (7, 1), (1, 7), (4, 2), (2, 4), (1, 8),
+        (8, 1), (1, 9), (3, 3), (9, 1),
+    ),
+}  # fmt: skip
+
+
+def candidate_grids(max_crops: int, min_crops: int = MIN_CROPS) -> list[tuple[int, int]]:
+    """All (width tiles, height tiles) with min_crops <= i*j <= max_crops, in reference order.
+
+    Pinned for min_crops=2 and max_crops 2..9; other combinations fall back to
+    the reference expression on the running interpreter.
+    """
+    pinned = _PINNED_CANDIDATES.get((max_crops, min_crops))
+    if pinned is not None:
+        return list(pinned)
+    return _reference_candidates(max_crops, min_crops)
+
+
+def choose_grid(
+    width: int, height: int, max_crops: int = DEFAULT_MAX_CROPS, min_crops: int = MIN_CROPS
+) -> tuple[int, int]:
+    """Pick the tiling grid (width tiles, height tiles) whose aspect is closest to the image's.
+
+    On an exact tie of aspect difference a later candidate (more tiles) wins
+    only if the image has more than half the pixels of that grid at 640x640
+    per tile -- the reference rule, kept as is.
+    """
+    if width <= 0 or height <= 0:
+        raise ValueError(f"image size must be positive, got {width}x{height}")
+    aspect = width / height
+    area = width * height
+    best_diff = float("inf")
+    best = (1, 1)
+    for i, j in candidate_grids(max_crops, min_crops):
+        diff = abs(aspect - i / j)
+        if diff < best_diff:
+            best_diff, best = diff, (i, j)
+        elif diff == best_diff and area > 0.5 * CROP_SIZE * CROP_SIZE * i * j:
+            best = (i, j)
+    return best
+
+
+def count_tokens(grid: tuple[int, int], base_size: int = 1024, crop_size: int = CROP_SIZE) -> int:
+    """Exact number of image tokens the model sequence holds for one image.
+
+    Global view: n rows of n tokens, each row followed by a newline token,
+    plus one view-separator token (n = ceil(base_size / 64)).  When tiled, the
+    crops form one (m*h_t) x (m*w_t) token grid, again with a newline per row
+    (m = ceil(crop_size / 64)).
+    """
+    w_tiles, h_tiles = grid
+    n = math.ceil(base_size / _PIXELS_PER_TOKEN_SIDE)
+    tokens = n * (n + 1) + 1
+    if (w_tiles, h_tiles) != (1, 1):
+        m = math.ceil(crop_size / _PIXELS_PER_TOKEN_SIDE)
+        tokens += (m * h_tiles) * (m * w_tiles + 1)
+    return tokens
+
+
+# ---------------------------------------------------------------------------
+# Decoding
+# ---------------------------------------------------------------------------
+
+_ALPHA_MODES = frozenset({"RGBA", "LA", "La", "RGBa", "PA"})
+_INT16_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N"})
+_DIRECT_RGB_MODES = frozenset({"L", "1", "CMYK", "YCbCr", "HSV", "P"})
+
+
+def load_image(image, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+    """Decode ``image`` into a fully loaded, EXIF-oriented RGB PIL image.
+
+    Accepts bytes / bytearray / memoryview (encoded file data), a path (str or
+    os.PathLike) or a PIL image (never modified).  Every problem with the
+    input is raised as :class:`ImageError`.
+    """
+    if isinstance(image, Image.Image):
+        return _decode_pil_image(image, max_pixels)
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        data = bytes(image)
+        if not data:
+            raise ImageError("empty image data")
+        return _open_and_decode(io.BytesIO(data), max_pixels, source="image data")
+    if isinstance(image, (str, os.PathLike)):
+        path = os.fspath(image)
+        if os.path.isdir(path):
+            raise ImageError(f"image path is a directory, not a file: {_short_repr(path)}")
+        if not os.path.isfile(path):
+            raise ImageError(f"image file not found: {_short_repr(path)}")
+        return _open_and_decode(path, max_pixels, source=f"image file {_short_repr(path)}")
+    raise ImageError(
+        "unsupported image input type "
+        f"{type(image).__name__!r}; expected bytes, bytearray, memoryview, "
+        "a path (str or os.PathLike) or a PIL.Image.Image"
+    )
+
+
+def _open_and_decode(fp, max_pixels: int, source: str) -> Image.Image:
+    # PIL warns (DecompressionBombWarning) above its own MAX_IMAGE_PIXELS and
+    # raises above twice that.  We enforce our own limit instead, so silence
+    # the warning locally rather than touching PIL's global setting.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            with Image.open(fp) as img:
+                # Header only so far: refuse bombs before decoding any pixel.
+                _check_size(img.size, max_pixels)
+                img.load()  # decode now, so truncated/corrupt data fails here
+                return _orient_and_convert(img)
+        except (ImageError, MemoryError):
+            raise
+        except Image.DecompressionBombError as exc:
+            raise ImageError(f"image too large: {exc} (limit is {max_pixels} pixels)") from exc
+        except FileNotFoundError as exc:
+            raise ImageError(f"image file not found: {exc.filename!r}") from exc
+        except Image.UnidentifiedImageError as exc:
+            raise ImageError(f"cannot decode image: unrecognised format in {source}") from exc
+        except Exception as exc:  # PIL raises many types on malformed input
+            raise ImageError(f"cannot decode image: {type(exc).__name__}: {exc}") from exc
+
+
+def _decode_pil_image(img: Image.Image, max_pixels: int) -> Image.Image:
+    _check_size(img.size, max_pixels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            img.load()  # may be a lazily opened file
+            return _orient_and_convert(img)
+        except (ImageError, MemoryError):
+            raise
+        except Exception as exc:
+            raise ImageError(f"cannot decode image: {type(exc).__name__}: {exc}") from exc
+
+
+def _check_size(size: tuple[int, int], max_pixels: int) -> None:
+    width, height = size
+    if width <= 0 or height <= 0:
+        raise ImageError(f"image has zero size ({width}x{height})")
+    if width * height > max_pixels:
+        raise ImageError(
+            f"image too large: {width}x{height} = {width * height} pixels "
+            f"exceeds the limit of {max_pixels} pixels"
+        )
+
+
+def _orient_and_convert(img: Image.Image) -> Image.Image:
+    # EXIF orientation first: every later step (sizes, grid, crops) must see
+    # the image the way a person looks at it.  Returns a new image, so the
+    # caller's image is never modified.
+    oriented = ImageOps.exif_transpose(img)
+    rgb = _to_rgb(oriented)
+    rgb.load()
+    return rgb
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    mode = img.mode
+    if mode == "RGB":
+        return img
+    if mode in _ALPHA_MODES or (mode == "P" and "transparency" in img.info):
+        return _composite_on_white(img)
+    if mode in _INT16_MODES or mode in ("I", "F"):
+        return _high_depth_grey_to_rgb(img)
+    if mode in _DIRECT_RGB_MODES:
+        return img.convert("RGB")
+    try:
+        return img.convert("RGB")
+    except Exception as exc:
+        raise ImageError(f"unsupported image colour mode {mode!r}: {exc}") from exc
+
+
+def _composite_on_white(img: Image.Image) -> Image.Image:
+    # A plain convert("RGB") drops the alpha channel and keeps whatever colour
+    # sits under transparent pixels -- usually black, which turns the
+    # transparent background of scanned/exported text black.  Composite over
+    # white instead.  For fully opaque pixels this equals convert("RGB"), so
+    # opaque images get exactly the reference's pixels.
+    if img.mode == "La":
+        img = img.convert("LA")  # PIL cannot go La -> RGBA directly
+    rgba = img.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")
+
+
+def _high_depth_grey_to_rgb(img: Image.Image) -> Image.Image:
+    # PIL's own convert clips 16/32-bit values to 0..255 instead of scaling,
+    # so a normal 16-bit scan (values in the thousands) comes out all white.
+    # Scale to 8 bit by keeping the high byte.
+    arr = np.asarray(img)
+    if img.mode in _INT16_MODES:
+        grey = (arr.astype(np.uint16) >> 8).astype(np.uint8)
+    elif img.mode == "I":
+        values = arr.astype(np.int64)
+        if values.max(initial=0) > 255:  # holds 16-bit data
+            values = values >> 8
+        grey = np.clip(values, 0, 255).astype(np.uint8)
+    else:  # "F": assume 0..255 floats
+        grey = np.clip(np.nan_to_num(arr.astype(np.float64)), 0, 255).astype(np.uint8)
+    return Image.fromarray(grey).convert("RGB")
+
+
+def _short_repr(text: str, limit: int = 200) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------
+# Views
+# ---------------------------------------------------------------------------
+
+
+def preprocess(
+    image,
+    mode: str = "gundam",
+    max_crops: int = DEFAULT_MAX_CROPS,
+    max_pixels: int = MAX_IMAGE_PIXELS,
+) -> PreprocessedImage:
+    """Decode ``image`` and build its global view (and, in gundam mode, local crops)."""
+    view_mode = _check_mode(mode)
+    _check_max_crops(max_crops)
+    img = load_image(image, max_pixels=max_pixels)
+    size = view_mode.base_size
+
+    global_img = _pad_to_square(img, size) if view_mode.pad else _stretch_to_square(img, size)
+    grid = (1, 1)
+    crops = torch.empty((0, 3, CROP_SIZE, CROP_SIZE), dtype=torch.uint8)
+    if view_mode.crop and (img.width > CROP_SIZE or img.height > CROP_SIZE):
+        grid = choose_grid(img.width, img.height, max_crops)
+        crops = _tile(img, grid)
+
+    return PreprocessedImage(
+        global_view=_to_chw_uint8(global_img),
+        crops=crops,
+        grid=grid,
+        num_tokens=count_tokens(grid, base_size=size, crop_size=CROP_SIZE),
+        mode=mode,
+        original_size=img.size,
+    )
+
+
+def _check_mode(mode) -> ViewMode:
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ImageError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
+    return MODES[mode]
+
+
+def _check_max_crops(max_crops) -> None:
+    is_int = isinstance(max_crops, int) and not isinstance(max_crops, bool)
+    if not is_int or not MIN_CROPS <= max_crops <= MAX_CROPS_LIMIT:
+        raise ImageError(
+            f"max_crops must be an int in {MIN_CROPS}..{MAX_CROPS_LIMIT}, got {max_crops!r}"
+        )
+
+
+def _pad_to_square(img: Image.Image, size: int) -> Image.Image:
+    return ImageOps.pad(img, (size, size), method=Image.BICUBIC, color=_PAD_COLOR)
+
+
+def _stretch_to_square(img: Image.Image, size: int) -> Image.Image:
+    return img.resize((size, size), Image.BICUBIC)
+
+
+def _tile(img: Image.Image, grid: tuple[int, int]) -> torch.Tensor:
+    """Resize to the grid (aspect not kept, as in the reference) and cut row-major tiles."""
+    w_tiles, h_tiles = grid
+    resized = img.resize((CROP_SIZE * w_tiles, CROP_SIZE * h_tiles), Image.BICUBIC)
+    tiles = []
+    for k in range(w_tiles * h_tiles):
+        col, row = k % w_tiles, k // w_tiles
+        box = (col * CROP_SIZE, row * CROP_SIZE, (col + 1) * CROP_SIZE, (row + 1) * CROP_SIZE)
+        tiles.append(_to_chw_uint8(resized.crop(box)))
+    return torch.stack(tiles)
+
+
+def _to_chw_uint8(img: Image.Image) -> torch.Tensor:
+    # Same values as torch.from_numpy(np.asarray(img)).permute(2, 0, 1).contiguous(),
+    # but np.asarray of a PIL image is read-only and torch.from_numpy warns
+    # about that; transposing in numpy and copying once gives a writable,
+    # contiguous CHW array without the warning or an extra copy.
+    hwc = np.asarray(img, dtype=np.uint8)
+    return torch.from_numpy(np.ascontiguousarray(hwc.transpose(2, 0, 1)))
+
+
+def normalize(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels -> float32 in [-1, 1], bit-identical to ToTensor + Normalize(0.5, 0.5).
+
+    Normalisation happens on the encoder's device (the encoder calls this
+    inside its forward), so images cross process boundaries as uint8: 4x less
+    data than float32.
+    """
+    if pixels.dtype != torch.uint8:
+        raise TypeError(f"normalize expects uint8 pixels, got {pixels.dtype}")
+    return (pixels.float() / 255 - 0.5) / 0.5
