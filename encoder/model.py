@@ -1,0 +1,345 @@
+"""DeepSeek-OCR's vision encoder ("DeepEncoder"): SAM ViT-B -> CLIP-L -> linear projector.
+
+Modules are named after the released checkpoint keys (minus the leading `model.`), so
+`model.sam_model.blocks.3.attn.rel_pos_h` loads with strict=True. Upstream typos
+(`pre_layrnorm`, `view_seperator`) are kept on purpose. Spec: DeepSeek's `deepencoder.py`
+(SAM from segment-anything's `image_encoder.py`, CLIP from DeepSeek's `clip_sdpa.py`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import EncoderArgs
+from .preprocess import normalize, preprocess
+from .relpos_attention import default_impl, relpos_attention
+
+
+def interpolate_grid(table: torch.Tensor, size: int) -> torch.Tensor:
+    """Bicubic-antialias resize of a [1, C, g, g] position grid to size x size, in fp32."""
+    if table.shape[-1] == size:
+        return table
+    out = F.interpolate(table.float(), size=(size, size), mode="bicubic", antialias=True,
+                        align_corners=False)
+    return out.to(table.dtype)
+
+
+# --- SAM ViT-B ---------------------------------------------------------------------------------
+class PatchEmbed(nn.Module):
+    def __init__(self, patch_size: int, width: int):
+        super().__init__()
+        self.patch = patch_size
+        self.proj = nn.Conv2d(3, width, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x):
+        # The stride-16 conv as one matmul over unfolded patches: cuDNN picks a slow generic
+        # kernel for 3 input channels in bf16 (~2 ms for 8 views on an H200).
+        bsz, c, s, _ = x.shape
+        g, p = s // self.patch, self.patch
+        patches = x.reshape(bsz, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(bsz, g, g, c * p * p)
+        return F.linear(patches, self.proj.weight.reshape(self.proj.out_channels, -1), self.proj.bias)
+
+
+class SamAttention(nn.Module):
+    def __init__(self, width: int, heads: int, grid: int):
+        super().__init__()
+        self.heads = heads
+        head_dim = width // heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.rel_pos_h = nn.Parameter(torch.zeros(2 * grid - 1, head_dim))
+        self.rel_pos_w = nn.Parameter(torch.zeros(2 * grid - 1, head_dim))
+        self.impl = default_impl()
+
+    def forward(self, x):
+        bsz, h, w, c = x.shape
+        qkv = self.qkv(x).reshape(bsz, h * w, 3, self.heads, c // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # [B, n, HW, C/n] each
+        out = relpos_attention(q, k, v, self.rel_pos_h, self.rel_pos_w, (h, w), self.impl)
+        return self.proj(out.transpose(1, 2).reshape(bsz, h, w, c))
+
+
+class SamMLP(nn.Module):
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.lin1 = nn.Linear(width, hidden)
+        self.lin2 = nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return self.lin2(F.gelu(self.lin1(x)))
+
+
+def window_partition(x, size: int):
+    """[B, H, W, C] -> [B * nWin, size, size, C], zero-padding H and W up to multiples of size."""
+    bsz, h, w, c = x.shape
+    x = F.pad(x, (0, 0, 0, -w % size, 0, -h % size))
+    hp, wp = x.shape[1], x.shape[2]
+    x = x.reshape(bsz, hp // size, size, wp // size, size, c).transpose(2, 3)
+    return x.reshape(-1, size, size, c), (hp, wp)
+
+
+def window_unpartition(windows, size: int, padded: tuple[int, int], hw: tuple[int, int]):
+    hp, wp = padded
+    c = windows.shape[-1]
+    x = windows.reshape(-1, hp // size, wp // size, size, size, c).transpose(2, 3)
+    return x.reshape(-1, hp, wp, c)[:, :hw[0], :hw[1]]
+
+
+class SamBlock(nn.Module):
+    def __init__(self, args: EncoderArgs, window: int):
+        super().__init__()
+        self.window = window  # 0 = global attention over the whole grid
+        self.norm1 = nn.LayerNorm(args.sam_width, eps=args.sam_eps)
+        self.attn = SamAttention(args.sam_width, args.sam_heads, window or args.sam_pos_grid)
+        self.norm2 = nn.LayerNorm(args.sam_width, eps=args.sam_eps)
+        self.mlp = SamMLP(args.sam_width, args.sam_mlp_dim)
+
+    def forward(self, x):
+        h = self.norm1(x)
+        if self.window:
+            hw = h.shape[1:3]
+            # Padded tokens stay in the windows as zero vectors and are attended to, as upstream.
+            h, padded = window_partition(h, self.window)
+            h = window_unpartition(self.attn(h), self.window, padded, hw)
+        else:
+            h = self.attn(h)
+        x = x + h
+        return x + self.mlp(self.norm2(x))
+
+
+class LayerNorm2d(nn.Module):
+    """LayerNorm over the channels of an NCHW map."""
+
+    def __init__(self, channels: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+        self.eps = eps
+
+    def forward(self, x):
+        x = F.layer_norm(x.permute(0, 2, 3, 1), x.shape[1:2], self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+class Sam(nn.Module):
+    """pixels [B, 3, S, S] -> features [B, downsample_channels[-1], S/64, S/64]."""
+
+    def __init__(self, args: EncoderArgs):
+        super().__init__()
+        g = args.sam_pos_grid
+        self.patch_embed = PatchEmbed(args.patch_size, args.sam_width)
+        self.pos_embed = nn.Parameter(torch.zeros(1, g, g, args.sam_width))
+        self.blocks = nn.ModuleList(
+            SamBlock(args, 0 if i in args.sam_global_blocks else args.sam_window)
+            for i in range(args.sam_depth))
+        out = args.sam_out_chans
+        self.neck = nn.Sequential(
+            nn.Conv2d(args.sam_width, out, kernel_size=1, bias=False), LayerNorm2d(out, args.sam_eps),
+            nn.Conv2d(out, out, kernel_size=3, padding=1, bias=False), LayerNorm2d(out, args.sam_eps))
+        c2, c3 = args.downsample_channels
+        self.net_2 = nn.Conv2d(out, c2, kernel_size=3, stride=2, padding=1, bias=False)
+        self.net_3 = nn.Conv2d(c2, c3, kernel_size=3, stride=2, padding=1, bias=False)
+
+    def forward(self, x):
+        x = self.patch_embed(x)  # [B, g, g, C]
+        pos = interpolate_grid(self.pos_embed.permute(0, 3, 1, 2), x.shape[1])
+        x = x + pos.permute(0, 2, 3, 1)
+        for block in self.blocks:
+            x = block(x)
+        x = self.neck(x.permute(0, 3, 1, 2))
+        return self.net_3(self.net_2(x))
+
+
+# --- CLIP-L, fed SAM features ------------------------------------------------------------------
+class ClipEmbeddings(nn.Module):
+    def __init__(self, args: EncoderArgs):
+        super().__init__()
+        self.class_embedding = nn.Parameter(torch.zeros(args.clip_width))
+        # In the checkpoint but never run: SAM's feature map replaces CLIP's patch embedding.
+        self.patch_embedding = nn.Conv2d(3, args.clip_width, kernel_size=args.clip_patch_size,
+                                         stride=args.clip_patch_size, bias=False)
+        self.position_embedding = nn.Embedding(args.clip_pos_grid ** 2 + 1, args.clip_width)
+
+    def forward(self, features):
+        bsz, c, g, _ = features.shape
+        x = features.flatten(2).transpose(1, 2)  # [B, g*g, C]
+        x = torch.cat([self.class_embedding.to(x.dtype).expand(bsz, 1, c), x], dim=1)
+        table = self.position_embedding.weight  # [1 + G*G, C]: CLS row, then the G x G grid
+        side = math.isqrt(table.shape[0] - 1)
+        grid = table[1:].reshape(1, side, side, c).permute(0, 3, 1, 2)
+        grid = interpolate_grid(grid, g).permute(0, 2, 3, 1).reshape(g * g, c)
+        return x + torch.cat([table[:1], grid], dim=0)
+
+
+class ClipAttention(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv_proj = nn.Linear(width, 3 * width)
+        self.out_proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        bsz, t, c = x.shape
+        qkv = self.qkv_proj(x).reshape(bsz, t, 3, self.heads, c // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.out_proj(out.transpose(1, 2).reshape(bsz, t, c))
+
+
+class ClipMLP(nn.Module):
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+
+    def forward(self, x):
+        x = self.fc1(x)
+        return self.fc2(x * torch.sigmoid(1.702 * x))  # quick_gelu
+
+
+class ClipLayer(nn.Module):
+    def __init__(self, args: EncoderArgs):
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(args.clip_width, eps=args.clip_eps)
+        self.self_attn = ClipAttention(args.clip_width, args.clip_heads)
+        self.layer_norm2 = nn.LayerNorm(args.clip_width, eps=args.clip_eps)
+        self.mlp = ClipMLP(args.clip_width, args.clip_mlp_dim)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class ClipTransformer(nn.Module):
+    def __init__(self, args: EncoderArgs):
+        super().__init__()
+        self.layers = nn.ModuleList(ClipLayer(args) for _ in range(args.clip_depth))
+
+
+class Clip(nn.Module):
+    """SAM features [B, C, g, g] -> [B, 1 + g*g, C] (CLS first; no post-LayerNorm)."""
+
+    def __init__(self, args: EncoderArgs):
+        super().__init__()
+        self.embeddings = ClipEmbeddings(args)
+        self.pre_layrnorm = nn.LayerNorm(args.clip_width, eps=args.clip_eps)  # sic
+        self.transformer = ClipTransformer(args)
+
+    def forward(self, features):
+        x = self.pre_layrnorm(self.embeddings(features))
+        for layer in self.transformer.layers:
+            x = layer(x)
+        return x
+
+
+class Projector(nn.Module):
+    def __init__(self, args: EncoderArgs):
+        super().__init__()
+        self.layers = nn.Linear(args.projector_in, args.n_embed)  # "linear" projector_type
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+# --- the encoder and its two paths ----------------------------------------------------------------
+class DeepEncoder(nn.Module):
+    """Per-view features and the two batched paths the graph engine captures.
+
+    Pixels enter as uint8 [B, 3, S, S] and are normalised here, on the encoder's device, so
+    only uint8 crosses process boundaries; float input is taken as already normalised.
+    """
+
+    def __init__(self, args: EncoderArgs):
+        super().__init__()
+        self.args = args
+        self.sam_model = Sam(args)
+        self.vision_model = Clip(args)
+        self.projector = Projector(args)
+        self.image_newline = nn.Parameter(torch.zeros(args.n_embed))
+        self.view_seperator = nn.Parameter(torch.zeros(args.n_embed))  # sic
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.projector.layers.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.projector.layers.weight.device
+
+    def set_attention(self, impl: str) -> "DeepEncoder":
+        """Switch every SAM block between the fused and the dense-bias reference attention."""
+        for block in self.sam_model.blocks:
+            block.attn.impl = impl
+        return self
+
+    def features(self, pixels):
+        """Fused per-view features before the projector: [B, g*g, clip_width + sam_channels]."""
+        x = normalize(pixels) if pixels.dtype == torch.uint8 else pixels
+        sam = self.sam_model(x.to(self.dtype))  # [B, C, g, g]
+        clip = self.vision_model(sam)  # [B, 1 + g*g, C]
+        return torch.cat([clip[:, 1:], sam.flatten(2).transpose(1, 2)], dim=-1)  # CLIP, then SAM
+
+    def forward_views(self, pixels):
+        """[B, 3, S, S] -> [B, (S/64)^2, n_embed]."""
+        return self.projector(self.features(pixels))
+
+    def forward_global(self, global_views):
+        """Global path: [B, 3, S, S] -> [B, g*(g+1), n_embed], a newline after each grid row."""
+        x = self.forward_views(global_views)
+        bsz, t, d = x.shape
+        g = math.isqrt(t)
+        newline = self.image_newline.to(x.dtype).expand(bsz, g, 1, d)
+        return torch.cat([x.reshape(bsz, g, g, d), newline], dim=2).reshape(bsz, g * (g + 1), d)
+
+    def forward_local(self, crops):
+        """Local path: [P, 3, 640, 640] -> [P, 100, n_embed] (stitched per image afterwards)."""
+        return self.forward_views(crops)
+
+    def assemble(self, global_tokens, crop_tokens, grid: tuple[int, int]):
+        """One image's sequence: stitched local grid + newlines, then global, then separator.
+
+        global_tokens [g*(g+1), D] from forward_global; crop_tokens [P, m*m, D] (P = w_t * h_t,
+        row-major) from forward_local, ignored when the image is untiled (grid (1, 1)).
+        """
+        d = global_tokens.shape[-1]
+        parts = []
+        w_t, h_t = grid
+        if (w_t, h_t) != (1, 1):
+            p, t, _ = crop_tokens.shape
+            assert p == w_t * h_t, f"{p} crops for a {w_t}x{h_t} grid"
+            m = math.isqrt(t)
+            local = crop_tokens.reshape(h_t, w_t, m, m, d).permute(0, 2, 1, 3, 4)
+            local = local.reshape(h_t * m, w_t * m, d)
+            newline = self.image_newline.to(local.dtype).expand(h_t * m, 1, d)
+            parts.append(torch.cat([local, newline], dim=1).reshape(-1, d))
+        parts += [global_tokens, self.view_seperator.to(global_tokens.dtype)[None]]
+        return torch.cat(parts, dim=0)
+
+    @torch.inference_mode()
+    def encode_images(self, images, mode: str = "gundam", max_crops: int = 6) -> list[torch.Tensor]:
+        """The monolithic reference: images -> one [num_tokens, n_embed] sequence each.
+
+        All global views go through forward_global as one batch, all crops of all images
+        through forward_local as one batch; the distributed system must reproduce this.
+        """
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        items = [preprocess(image, mode=mode, max_crops=max_crops) for image in images]
+        if not items:
+            return []
+        global_tokens = self.forward_global(torch.stack([it.global_view for it in items]).to(self.device))
+        tiled = [it for it in items if it.tiled]
+        crop_tokens = iter(())
+        if tiled:
+            crops = torch.cat([it.crops for it in tiled]).to(self.device)
+            crop_tokens = iter(self.forward_local(crops).split([len(it.crops) for it in tiled]))
+        out = []
+        for item, tokens in zip(items, global_tokens):
+            local = next(crop_tokens) if item.tiled else None
+            seq = self.assemble(tokens, local, item.grid)
+            assert seq.shape[0] == item.num_tokens, (seq.shape, item.num_tokens)
+            out.append(seq)
+        return out

@@ -1,0 +1,138 @@
+"""SAM attention with decomposed relative positions (MViTv2), without the dense bias.
+
+SAM's logits are `scale * q.k + rel_h[q, kh] + rel_w[q, kw]`, where `rel_h = q . Rh[qh - kh]` and
+`rel_w = q . Rw[qw - kw]` are small tables ([.., HW, H] and [.., HW, W]). DeepSeek's code adds them
+into a dense `[B, heads, HW, HW]` bias and hands it to SDPA as `attn_mask`: ~400 MB per 1024²
+image per global block in bf16, and a slow masked kernel.
+
+The fused path never builds that tensor. It folds the two terms into the dot product:
+
+    q' = [q * scale, rel_h, rel_w]         k' = [k, onehot(row of key), onehot(col of key)]
+    q' . k' = scale * q.k + rel_h[q, kh] + rel_w[q, kw]
+
+and runs plain SDPA (flash / memory-efficient kernels) with `scale=1` and `v` zero-padded to the
+same head dim. Extra cost: head dim 64 -> 64 + H + W (192 for a 64x64 grid, 96 for 14x14 windows).
+It is exact in real arithmetic and runs anywhere (CPU fp32 included).
+
+On CUDA in bf16/fp16 the fused path uses a Triton flash-attention kernel that adds the two terms
+inside the kernel (`triton_relpos.py`), keeping the real head dim; `supports()` guards it and
+DEEPSEEK_OCR_TRITON=0 switches it off. `dense_relpos_attention` is the reference twin used in
+tests and benchmarks; DEEPSEEK_OCR_ATTENTION=dense forces it everywhere.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+IMPLS = ("fused", "augmented", "dense")  # fused = Triton where supported, else augmented
+
+
+def default_impl() -> str:
+    impl = os.environ.get("DEEPSEEK_OCR_ATTENTION", "fused")
+    if impl not in IMPLS:
+        raise ValueError(f"DEEPSEEK_OCR_ATTENTION={impl!r}; expected one of {IMPLS}")
+    return impl
+
+
+def get_rel_pos(size: int, rel_pos: torch.Tensor) -> torch.Tensor:
+    """Relative-position table [size(q), size(k), C] for a query/key axis of `size` positions.
+
+    Tables are stored for one length (2*14-1 windowed, 2*64-1 global); other grids (a global
+    block on a 40x40 crop needs 79) linearly interpolate it in fp32, as SAM's `get_rel_pos`.
+    """
+    length = 2 * size - 1
+    if rel_pos.shape[0] != length:
+        resized = F.interpolate(rel_pos.float().t()[None], size=length, mode="linear")
+        rel_pos = resized[0].t().to(rel_pos.dtype)
+    return rel_pos[_relative_index(size, rel_pos.device)]
+
+
+@functools.cache
+def _relative_index(size: int, device: torch.device) -> torch.Tensor:
+    """[size, size] table of qi - ki + size - 1 (cached: eager runs are launch-bound)."""
+    idx = torch.arange(size, device=device)
+    return idx[:, None] - idx[None, :] + (size - 1)
+
+
+def rel_pos_terms(q, rel_pos_h, rel_pos_w, hw: tuple[int, int]):
+    """rel_h [B, n, HW, H] and rel_w [B, n, HW, W] for q [B, n, HW, C] on an H x W grid."""
+    h, w = hw
+    bsz, n, _, c = q.shape
+    r_q = q.reshape(bsz, n, h, w, c)
+    rel_h = torch.einsum("bnhwc,hkc->bnhwk", r_q, get_rel_pos(h, rel_pos_h).to(q.dtype))
+    rel_w = torch.einsum("bnhwc,wkc->bnhwk", r_q, get_rel_pos(w, rel_pos_w).to(q.dtype))
+    return rel_h.reshape(bsz, n, h * w, h), rel_w.reshape(bsz, n, h * w, w)
+
+
+def dense_relpos_attention(q, k, v, rel_h, rel_w):
+    """Reference: materialise the [B, n, HW, HW] bias and pass it as attn_mask (DeepSeek's way)."""
+    bsz, n, hw, h = rel_h.shape
+    bias = (rel_h[..., :, None] + rel_w[..., None, :]).reshape(bsz, n, hw, hw)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+def _key_onehots(hw: tuple[int, int], device, dtype):
+    """onehot(row) [HW, H] and onehot(col) [HW, W] of each key position (row-major grid)."""
+    h, w = hw
+    rows = torch.eye(h, device=device, dtype=dtype).repeat_interleave(w, dim=0)
+    cols = torch.eye(w, device=device, dtype=dtype).repeat(h, 1)
+    return rows, cols
+
+
+@functools.cache
+def _triton_op():
+    """The Triton kernel's custom op, or None where Triton is missing or switched off."""
+    if os.environ.get("DEEPSEEK_OCR_TRITON", "1") == "0":
+        return None
+    try:
+        from .triton_relpos import relpos_attention_triton
+    except ImportError:  # CPU-only installs have no Triton
+        return None
+    return relpos_attention_triton
+
+
+def supports(q, rel_h, rel_w) -> bool:
+    """Whether the Triton kernel takes these inputs (else the SDPA paths do)."""
+    c = q.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and c in (16, 32, 64, 128)
+            and rel_h.dtype == rel_w.dtype == q.dtype
+            and all(t.stride(-1) == 1 for t in (q, rel_h, rel_w))
+            and _triton_op() is not None)
+
+
+def fused_relpos_attention(q, k, v, rel_h, rel_w):
+    """The dense-bias result without the [HW, HW] tensor: Triton kernel, else augmented SDPA."""
+    if supports(q, rel_h, rel_w) and k.stride(-1) == 1 and v.stride(-1) == 1:
+        return _triton_op()(q, k, v, rel_h, rel_w)
+    return augmented_relpos_attention(q, k, v, rel_h, rel_w)
+
+
+def augmented_relpos_attention(q, k, v, rel_h, rel_w):
+    """SDPA over rel-augmented q/k: same result as the dense bias, no [HW, HW] tensor."""
+    bsz, n, hw, c = q.shape
+    h, w = rel_h.shape[-1], rel_w.shape[-1]
+    rows, cols = _key_onehots((h, w), q.device, q.dtype)
+    dim = c + h + w
+    pad = -dim % 8  # flash / memory-efficient kernels want head dims in multiples of 8
+    q_aug = torch.cat([q * c ** -0.5, rel_h, rel_w], dim=-1)
+    k_aug = torch.cat([k, rows.expand(bsz, n, hw, h), cols.expand(bsz, n, hw, w)], dim=-1)
+    if pad:
+        q_aug, k_aug = F.pad(q_aug, (0, pad)), F.pad(k_aug, (0, pad))
+    v_aug = F.pad(v, (0, dim + pad - c))
+    out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, scale=1.0)
+    return out[..., :c]
+
+
+def relpos_attention(q, k, v, rel_pos_h, rel_pos_w, hw: tuple[int, int], impl: str = "fused"):
+    """Attention over an H x W grid with decomposed rel-pos; q, k, v are [B, n, HW, C]."""
+    rel_h, rel_w = rel_pos_terms(q, rel_pos_h, rel_pos_w, hw)
+    if impl == "fused":
+        return fused_relpos_attention(q, k, v, rel_h, rel_w)
+    if impl == "augmented":
+        return augmented_relpos_attention(q, k, v, rel_h, rel_w)
+    if impl == "dense":
+        return dense_relpos_attention(q, k, v, rel_h, rel_w)
+    raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")

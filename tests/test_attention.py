@@ -1,0 +1,154 @@
+"""The fused rel-pos attention against the dense-bias reference and a float64 formula."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from encoder import EncoderArgs
+from encoder.model import SamBlock
+from encoder.relpos_attention import (dense_relpos_attention, fused_relpos_attention, get_rel_pos,
+                                      rel_pos_terms, relpos_attention)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# (grid, table rows): 64x64 global block on a 1024 view, 40x40 global block on a 640 crop
+# (table interpolated), 14x14 window, and an 80x80 global block (1280 "large" mode).
+SHAPES = [((64, 64), 127), ((40, 40), 127), ((14, 14), 27), ((80, 80), 127)]
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def inputs(bsz, hw, rows, heads=2, dim=64, seed=0, device="cpu", dtype=torch.float32):
+    """q, k, v [B, n, HW, C] as the model makes them (strided views of one qkv projection)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(bsz, hw[0] * hw[1], 3, heads, dim, generator=gen).to(device, dtype)
+    tables = [0.1 * torch.randn(rows, dim, generator=gen).to(device, dtype) for _ in range(2)]
+    return [*qkv.permute(2, 0, 3, 1, 4).unbind(0), *tables]
+
+
+def formula(q, k, v, rel_pos_h, rel_pos_w, hw):
+    """Softmax(scale q.k + rel_h[kh] + rel_w[kw]) v, spelled out in float64."""
+    q, k, v = q.double(), k.double(), v.double()
+    rh, rw = get_rel_pos(hw[0], rel_pos_h.double()), get_rel_pos(hw[1], rel_pos_w.double())
+    bsz, n, _, c = q.shape
+    qg = q.reshape(bsz, n, hw[0], hw[1], c)
+    bias = (torch.einsum("bnhwc,hkc->bnhwk", qg, rh)[..., :, None]
+            + torch.einsum("bnhwc,wkc->bnhwk", qg, rw)[..., None, :])
+    logits = q @ k.transpose(-1, -2) * c ** -0.5 + bias.reshape(bsz, n, hw[0] * hw[1], -1)
+    return logits.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("bsz", [1, 2])
+@pytest.mark.parametrize("hw, rows", SHAPES)
+def test_fused_equals_dense_fp32(bsz, hw, rows):
+    q, k, v, rph, rpw = inputs(bsz, hw, rows, seed=bsz)
+    rel_h, rel_w = rel_pos_terms(q, rph, rpw, hw)
+    dense = dense_relpos_attention(q, k, v, rel_h, rel_w)
+    fused = fused_relpos_attention(q, k, v, rel_h, rel_w)
+    assert fused.shape == dense.shape == q.shape
+    assert rel_err(fused, dense) <= 1e-5
+    assert rel_err(dense, formula(q, k, v, rph, rpw, hw)) <= 1e-5
+
+
+def test_rel_pos_changes_the_result():
+    # Guards the test above against a rel-pos term that is silently dropped.
+    q, k, v, rph, rpw = inputs(1, (14, 14), 27)
+    with_rel = relpos_attention(q, k, v, rph, rpw, (14, 14))
+    without = relpos_attention(q, k, v, torch.zeros_like(rph), torch.zeros_like(rpw), (14, 14))
+    assert rel_err(with_rel, without) > 1e-2
+
+
+def test_get_rel_pos_interpolates_linearly():
+    table = torch.arange(5.0)[:, None].repeat(1, 3)  # 5 rows = a grid of 3
+    assert torch.equal(get_rel_pos(3, table)[:, :, 0], torch.tensor([[2., 1, 0], [3, 2, 1], [4, 3, 2]]))
+    wider = get_rel_pos(4, table)  # 7 rows interpolated from 5: still monotone, same ends
+    diag = wider[:, 0, 0]
+    assert torch.all(diag[1:] > diag[:-1]) and wider[0, 3, 0] == 0.0 and wider[3, 0, 0] == 4.0
+
+
+@pytest.mark.parametrize("window", [14, 0], ids=["windowed", "global"])
+@pytest.mark.parametrize("grid", [64, 40])
+def test_sam_block_fused_equals_dense(window, grid):
+    args = EncoderArgs(sam_width=128, sam_heads=2)
+    torch.manual_seed(grid + window)
+    block = SamBlock(args, window)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.1)
+        x = torch.randn(1, grid, grid, 128)
+        block.attn.impl = "dense"
+        dense = block(x)
+        block.attn.impl = "fused"
+        fused = block(x)
+    assert rel_err(fused, dense) <= 1e-5
+
+
+INTERPRET_SCRIPT = """
+import torch
+from encoder.relpos_attention import dense_relpos_attention, rel_pos_terms
+from encoder.triton_relpos import relpos_attention_triton
+from tests.test_attention import inputs
+for hw, rows, bsz in [((14, 14), 27, 2), ((40, 40), 127, 1), ((5, 9), 27, 1), ((8, 8), 27, 1),
+                      ((16, 16), 27, 1)]:
+    q, k, v, rph, rpw = inputs(bsz, hw, rows, seed=7)
+    rel_h, rel_w = rel_pos_terms(q, rph, rpw, hw)
+    ref = dense_relpos_attention(q, k, v, rel_h, rel_w)
+    out = relpos_attention_triton(q, k, v, rel_h, rel_w)
+    err = ((out - ref).norm() / ref.norm()).item()
+    assert out.shape == ref.shape and out.transpose(1, 2).is_contiguous(), (out.shape, out.stride())
+    assert err <= 1e-5, (hw, err)
+print("interpreted kernel ok")
+"""
+
+
+def test_triton_kernel_in_interpreter_mode():
+    """The Triton kernel's logic on CPU (Triton's interpreter; fp32, exact dots)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, "-c", INTERPRET_SCRIPT], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "interpreted kernel ok" in done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bsz", [1, 8])
+@pytest.mark.parametrize("hw, rows", SHAPES)
+def test_fused_paths_bf16_cuda(bsz, hw, rows):
+    from encoder.relpos_attention import supports
+    q, k, v, rph, rpw = inputs(bsz, hw, rows, heads=12, device="cuda", dtype=torch.bfloat16)
+    assert supports(q, *rel_pos_terms(q, rph, rpw, hw)) and not q.is_contiguous()
+    exact = formula(q, k, v, rph, rpw, hw)
+    dense = relpos_attention(q, k, v, rph, rpw, hw, "dense")
+    for impl in ("fused", "augmented"):  # fused = the Triton kernel here
+        out = relpos_attention(q, k, v, rph, rpw, hw, impl)
+        # bf16 inputs: within bf16 rounding of the float64 formula, and of the dense path.
+        assert rel_err(out, exact) <= 1e-2, impl
+        torch.testing.assert_close(out, dense, rtol=0.016, atol=0.016)
+
+
+@pytest.mark.gpu
+def test_triton_kernel_replays_in_a_cuda_graph():
+    q, k, v, rph, rpw = inputs(2, (40, 40), 127, heads=12, device="cuda", dtype=torch.bfloat16)
+    eager = relpos_attention(q, k, v, rph, rpw, (40, 40))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        relpos_attention(q, k, v, rph, rpw, (40, 40))  # warm-up on a side stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = relpos_attention(q, k, v, rph, rpw, (40, 40))
+    graph.replay()
+    assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+def test_triton_kernel_traces_under_torch_compile():
+    q, k, v, rph, rpw = inputs(1, (14, 14), 27, heads=12, device="cuda", dtype=torch.bfloat16)
+    fn = torch.compile(lambda *a: relpos_attention(*a, (14, 14)), fullgraph=True)
+    torch.testing.assert_close(fn(q, k, v, rph, rpw), relpos_attention(q, k, v, rph, rpw, (14, 14)),
+                               rtol=0.016, atol=0.016)
