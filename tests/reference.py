@@ -1,0 +1,77 @@
+"""Independent implementations to test against (transformers), with key maps from the released
+layout to theirs. Imported only by tests; skips cleanly where transformers lacks the model."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from encoder.config import EncoderArgs
+
+
+def unlimited_ocr():
+    """transformers' UnlimitedOcr module (>= 5.20), or skip."""
+    return pytest.importorskip("transformers.models.unlimited_ocr.modeling_unlimited_ocr",
+                               reason="transformers >= 5.20 (unlimited_ocr) not installed")
+
+
+def unlimited_ocr_config(args: EncoderArgs):
+    from transformers import UnlimitedOcrConfig
+
+    vision = {
+        "sam_config": dict(hidden_size=args.sam_width, num_hidden_layers=args.sam_depth,
+                           num_attention_heads=args.sam_heads, mlp_dim=args.sam_mlp_dim,
+                           window_size=args.sam_window, global_attn_indexes=list(args.sam_global_blocks),
+                           output_channels=args.sam_out_chans,
+                           downsample_channels=list(args.downsample_channels)),
+        "encoder_config": dict(hidden_size=args.clip_width, intermediate_size=args.clip_mlp_dim,
+                               num_hidden_layers=args.clip_depth, num_attention_heads=args.clip_heads),
+    }
+    text = dict(vocab_size=300, hidden_size=args.n_embed, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=16, sliding_window=8192)
+    return UnlimitedOcrConfig(vision_config=vision, text_config=text)
+
+
+_SAM_RULES = [
+    (r"^sam_model\.", "sam_encoder."),
+    (r"\.blocks\.(\d+)\.norm(\d)\.", r".layers.\1.layer_norm\2."),
+    (r"\.blocks\.", ".layers."),
+    (r"\.patch_embed\.proj\.", ".patch_embed.projection."),
+    (r"\.neck\.0\.", ".neck.conv1."), (r"\.neck\.1\.", ".neck.layer_norm1."),
+    (r"\.neck\.2\.", ".neck.conv2."), (r"\.neck\.3\.", ".neck.layer_norm2."),
+    (r"\.net_2\.", ".proj.conv1."), (r"\.net_3\.", ".proj.conv2."),
+    (r"^vision_model\.", "vision_encoder."), (r"\.transformer\.", ".encoder."),
+]
+
+
+def to_unlimited_ocr_vision(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our (released, `model.` stripped) vision keys -> UnlimitedOcrVisionModel keys."""
+    out = {}
+    for key, value in state.items():
+        if not key.startswith(("sam_model.", "vision_model.")) or "patch_embedding" in key:
+            continue  # CLIP's unused patch embedding has no counterpart
+        for pattern, repl in _SAM_RULES:
+            key = re.sub(pattern, repl, key)
+        if ".qkv_proj." in key:  # fused rows are q, k, v in that order
+            for name, part in zip(("q_proj", "k_proj", "v_proj"), value.chunk(3, dim=0)):
+                out[key.replace("qkv_proj", name)] = part
+        else:
+            out[key] = value
+    return out
+
+
+def unlimited_ocr_model(encoder, args: EncoderArgs):
+    """An UnlimitedOcrModel (tiny random text part) holding our encoder's weights."""
+    mod = unlimited_ocr()
+    model = mod.UnlimitedOcrModel(unlimited_ocr_config(args)).eval()
+    ours = {k: v.float() for k, v in encoder.state_dict().items()}
+    state = {f"vision_tower.{k}": v for k, v in to_unlimited_ocr_vision(ours).items()}
+    state |= {"multi_modal_projector.weight": ours["projector.layers.weight"],
+              "multi_modal_projector.bias": ours["projector.layers.bias"],
+              "image_newline": ours["image_newline"], "view_separator": ours["view_seperator"]}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    vision_missing = [k for k in missing if not k.startswith("language_model.")]
+    assert not vision_missing and not unexpected, (vision_missing, unexpected)
+    return model

@@ -1,0 +1,142 @@
+"""Checkpoint loading in the released layout: round trip, shards, and every error case."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from encoder import CheckpointError, EncoderArgs, load_encoder, write_random_checkpoint
+from encoder.checkpoint import INDEX_FILE, SINGLE_FILE
+
+PIXELS = torch.randint(0, 256, (1, 3, 640, 640), dtype=torch.uint8,
+                       generator=torch.Generator().manual_seed(0))
+
+
+def features(encoder):
+    with torch.inference_mode():
+        return encoder.forward_local(PIXELS)
+
+
+def test_released_key_names(tiny_checkpoint):
+    keys = set(load_file(os.path.join(tiny_checkpoint, SINGLE_FILE)))
+    for key in ["model.sam_model.blocks.1.attn.rel_pos_h", "model.sam_model.neck.3.bias",
+                "model.sam_model.net_3.weight", "model.sam_model.patch_embed.proj.weight",
+                "model.vision_model.embeddings.patch_embedding.weight",
+                "model.vision_model.pre_layrnorm.weight",
+                "model.vision_model.transformer.layers.1.self_attn.qkv_proj.weight",
+                "model.projector.layers.weight", "model.image_newline", "model.view_seperator"]:
+        assert key in keys
+    config = json.load(open(os.path.join(tiny_checkpoint, "config.json")))
+    assert config["model_type"] == "deepseek_vl_v2"
+    assert EncoderArgs.from_config(config) == EncoderArgs.tiny()
+
+
+def test_real_config_layout_reads_real_dims():
+    config = EncoderArgs().to_config()
+    assert "window_size" not in config["vision_config"]["width"]["sam_vit_b"]  # released fields only
+    assert EncoderArgs.from_config(config) == EncoderArgs()
+    assert config["projector_config"]["input_dim"] == 2048
+
+
+def test_round_trip_same_outputs(tmp_path, tiny_args):
+    a = load_encoder(write_random_checkpoint(tmp_path / "a", tiny_args, seed=3, dtype=torch.float32))
+    b = load_encoder(write_random_checkpoint(tmp_path / "b", tiny_args, seed=3, dtype=torch.float32))
+    c = load_encoder(write_random_checkpoint(tmp_path / "c", tiny_args, seed=4, dtype=torch.float32))
+    assert torch.equal(features(a), features(b))
+    assert not torch.allclose(features(a), features(c))
+    written = load_file(os.path.join(tmp_path / "a", SINGLE_FILE))
+    for name, value in a.state_dict().items():
+        assert torch.equal(value, written[f"model.{name}"]), name
+
+
+def test_bf16_checkpoint_loads_into_fp32(tmp_path, tiny_args):
+    path = write_random_checkpoint(tmp_path, tiny_args)  # bf16 like the release
+    encoder = load_encoder(path, dtype=torch.float32)
+    assert encoder.dtype == torch.float32
+    assert load_file(os.path.join(path, SINGLE_FILE))["model.image_newline"].dtype == torch.bfloat16
+
+
+def test_sharded_index(tmp_path, tiny_args, tiny_checkpoint):
+    path = write_random_checkpoint(tmp_path, tiny_args, seed=0, dtype=torch.float32, num_shards=3)
+    assert not os.path.exists(os.path.join(path, SINGLE_FILE))
+    weight_map = json.load(open(os.path.join(path, INDEX_FILE)))["weight_map"]
+    assert len(set(weight_map.values())) == 3
+    assert torch.equal(features(load_encoder(path)), features(load_encoder(tiny_checkpoint)))
+
+
+def test_language_keys_are_ignored(tmp_path, tiny_args):
+    extra = {"model.embed_tokens.weight": torch.zeros(10, 64), "lm_head.weight": torch.zeros(10, 64)}
+    path = write_random_checkpoint(tmp_path, tiny_args, extra_tensors=extra,
+                                   extra_config={"vocab_size": 10})
+    load_encoder(path)
+
+
+def _rewrite(path, edit):
+    file = os.path.join(path, SINGLE_FILE)
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file)
+
+
+def test_missing_unexpected_and_misshaped_keys_in_one_error(tmp_path, tiny_args):
+    path = write_random_checkpoint(tmp_path, tiny_args)
+
+    def edit(t):
+        del t["model.sam_model.blocks.0.attn.rel_pos_h"]
+        del t["model.projector.layers.bias"]
+        t["model.sam_model.blocks.99.attn.qkv.weight"] = torch.zeros(2)
+        t["model.image_newline"] = torch.zeros(3)
+
+    _rewrite(path, edit)
+    with pytest.raises(CheckpointError) as e:
+        load_encoder(path)
+    msg = str(e.value)
+    for text in ["missing keys (2)", "model.sam_model.blocks.0.attn.rel_pos_h",
+                 "model.projector.layers.bias", "unexpected keys (1)",
+                 "model.sam_model.blocks.99.attn.qkv.weight", "shape mismatches (1)",
+                 "model.image_newline: checkpoint (3,), model (64,)"]:
+        assert text in msg
+
+
+def test_config_dims_disagree_with_weights(tmp_path, tiny_args):
+    path = write_random_checkpoint(tmp_path, tiny_args)
+    config = json.load(open(os.path.join(path, "config.json")))
+    config["vision_config"]["width"]["sam_vit_b"]["layers"] = 5
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(CheckpointError, match="missing keys \\(14\\)"):
+        load_encoder(path)
+
+
+def test_missing_files(tmp_path, tiny_args):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_encoder(tmp_path)
+    path = write_random_checkpoint(tmp_path / "ck", tiny_args)
+    os.remove(os.path.join(path, SINGLE_FILE))
+    with pytest.raises(CheckpointError, match="no model.safetensors or model.safetensors.index.json"):
+        load_encoder(path)
+
+
+def test_missing_shard_and_bad_index(tmp_path, tiny_args):
+    path = write_random_checkpoint(tmp_path, tiny_args, num_shards=2)
+    index = json.load(open(os.path.join(path, INDEX_FILE)))
+    shard = sorted(set(index["weight_map"].values()))[1]
+    os.rename(os.path.join(path, shard), os.path.join(path, "elsewhere"))
+    with pytest.raises(CheckpointError, match="shards named in .* are missing"):
+        load_encoder(path)
+    os.rename(os.path.join(path, "elsewhere"), os.path.join(path, shard))
+    key = next(k for k, f in index["weight_map"].items() if f == shard)
+    index["weight_map"][key] = sorted(set(index["weight_map"].values()))[0]  # points at wrong shard
+    json.dump(index, open(os.path.join(path, INDEX_FILE), "w"))
+    with pytest.raises(CheckpointError, match="keys listed in the index are not in"):
+        load_encoder(path)
+
+
+def test_bad_config(tmp_path, tiny_args):
+    path = write_random_checkpoint(tmp_path, tiny_args)
+    open(os.path.join(path, "config.json"), "w").write("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_encoder(path)
+    json.dump({"model_type": "deepseek_vl_v2"}, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(ValueError, match="lacks vision_config"):
+        load_encoder(path)
