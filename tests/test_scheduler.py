@@ -1,0 +1,157 @@
+"""Budgets and the planner: exhaustive and property tests (plain Python)."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler import (GLOBAL_UNIT_TOKENS, LOCAL_UNIT_TOKENS, Item, PathBudgets, PathStats, Planner,
+                       default_budgets, doubling_budgets, fill_gaps, geometric_units, path_plan)
+
+
+def test_geometric_units():
+    assert geometric_units(32) == [1, 2, 3, 4, 6, 9, 13, 19, 28, 32]
+    assert geometric_units(1) == [1]
+    assert geometric_units(10, growth=2.0) == [1, 2, 4, 8, 10]
+
+
+@given(st.integers(1, 500), st.floats(1.05, 3.0))
+def test_geometric_units_properties(max_units, growth):
+    units = geometric_units(max_units, growth)
+    assert units[0] == 1 and units[-1] == max_units
+    for a, b in zip(units, units[1:]):
+        assert b > a and (b <= a * growth or b == a + 1 or b == max_units)
+
+
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=8, unique=True), st.floats(1.1, 2.5))
+def test_fill_gaps(units, growth):
+    units = sorted(units)
+    filled = fill_gaps(units, growth)
+    assert set(units) <= set(filled) and filled == sorted(set(filled))
+    for a, b in zip(filled, filled[1:]):
+        assert b <= max(a + 1, int(a * growth))
+
+
+def test_default_budgets_are_unit_aligned():
+    g, loc = default_budgets()
+    assert g.unit == GLOBAL_UNIT_TOKENS == 272 and loc.unit == LOCAL_UNIT_TOKENS == 100
+    assert g.capacities == (1, 2, 3, 4, 6, 9, 13, 19, 28, 32)
+    # Page-aligned: 6 crops times every global capacity, small steps below one page.
+    assert loc.capacities == (1, 2, 3, 4, 6, 9, 12, 18, 24, 36, 54, 78, 114, 168, 192)
+    assert all(6 * c in loc.capacities for c in g.capacities)
+    assert doubling_budgets()[0].capacities == (1, 2, 4, 8, 16, 32)
+
+
+@pytest.mark.parametrize("budgets, match", [((), "no budgets"), ((200, 100), "ascending"),
+                                             ((100, 150), "multiples"), ((0, 100), "multiples")])
+def test_bad_budgets(budgets, match):
+    with pytest.raises(ValueError, match=match):
+        PathBudgets("local", 100, budgets)
+
+
+def test_smallest_fitting():
+    b = PathBudgets.explicit("local", 100, [300, 100, 600])
+    assert [b.smallest_fitting(u) for u in range(8)] == [100, 100, 300, 300, 600, 600, 600, None]
+
+
+def test_path_plan_skip_eager_padding():
+    b = PathBudgets.explicit("local", 100, [100, 400])
+    assert path_plan(b, 0).skipped and not path_plan(b, 0).eager
+    assert path_plan(b, 5).eager and path_plan(b, 5).padding == 0
+    p = path_plan(b, 3)
+    assert (p.budget, p.capacity, p.tokens, p.padding) == (400, 4, 300, 100)
+
+
+items_st = st.lists(st.builds(Item, st.integers(0, 2), st.integers(0, 12)), max_size=60)
+budget_st = st.lists(st.integers(1, 40), min_size=1, max_size=6, unique=True)
+
+
+def make_planner(g_units, l_units, max_items, strategy):
+    return Planner(PathBudgets.explicit("global", 272, [u * 272 for u in g_units]),
+                   PathBudgets.explicit("local", 100, [u * 100 for u in l_units]), max_items, strategy)
+
+
+@settings(max_examples=300, deadline=None)
+@given(items_st, budget_st, budget_st, st.integers(1, 40), st.sampled_from(["dp", "greedy"]))
+def test_plan_properties(items, g_units, l_units, max_items, strategy):
+    planner = make_planner(g_units, l_units, max_items, strategy)
+    plan = planner.plan(items)
+    placed = [i for b in plan.batches for i in b.indices]
+    assert sorted(placed) == list(range(len(items)))  # every item exactly once
+    for batch in plan.batches:
+        assert 1 <= len(batch.indices) <= max_items
+        for path, budgets, units in [
+                (batch.global_path, planner.global_budgets, sum(items[i].global_views for i in batch.indices)),
+                (batch.local_path, planner.local_budgets, sum(items[i].crops for i in batch.indices))]:
+            assert path.units == units
+            fitting = [b for b in budgets.budgets if b >= units * budgets.unit]
+            if units == 0:
+                assert path.skipped
+            elif fitting:
+                assert path.budget == min(fitting)  # the smallest budget that fits
+            else:  # over every budget: only ever a lone oversized item, run eagerly
+                assert path.eager and len(batch.indices) == 1
+    # Results come back in queue order whatever the batching.
+    assert plan.in_queue_order([list(b.indices) for b in plan.batches]) == list(range(len(items)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(items_st, budget_st, budget_st, st.integers(1, 40))
+def test_dp_never_worse_than_greedy(items, g_units, l_units, max_items):
+    dp = make_planner(g_units, l_units, max_items, "dp").plan(items)
+    greedy = make_planner(g_units, l_units, max_items, "greedy").plan(items)
+    assert len(dp.batches) == len(greedy.batches)
+    assert dp.padded_tokens <= greedy.padded_tokens
+
+
+def test_dp_beats_greedy_on_an_example():
+    # Crop budgets 4 and 8, two images per batch, crops (4, 2, 2) in sorted order. Greedy takes
+    # [4, 2] (6 crops -> budget 8) then [2] (-> 4): 400 padded crop tokens. DP cuts [4] | [2, 2]:
+    # both exactly 4, no padding, same number of batches.
+    items = [Item(1, c) for c in (4, 2, 2)]
+    greedy = make_planner([1, 2], [4, 8], 2, "greedy").plan(items)
+    dp = make_planner([1, 2], [4, 8], 2, "dp").plan(items)
+    assert [b.indices for b in greedy.batches] == [(0, 1), (2,)]
+    assert [b.indices for b in dp.batches] == [(0,), (1, 2)]
+    assert (greedy.padded_tokens, dp.padded_tokens) == (400, 0)
+
+
+def test_mixed_batch_paths():
+    planner = make_planner([1, 2, 4], [1, 2, 4, 8], 4, "dp")
+    plan = planner.plan([Item(1, 0), Item(1, 6), Item(1, 0)])
+    (batch,) = plan.batches
+    assert batch.global_path.budget == 4 * 272 and batch.local_path.budget == 8 * 100
+
+
+def test_oversized_item_runs_its_path_eagerly_alone():
+    planner = make_planner([1, 2], [2, 4], 4, "dp")
+    plan = planner.plan([Item(1, 2), Item(1, 9), Item(1, 0)])
+    big = next(b for b in plan.batches if 1 in b.indices)
+    assert big.indices == (1,) and big.local_path.eager and big.global_path.budget == 272
+
+
+def test_empty_queue_and_bad_args():
+    assert make_planner([1], [1], 1, "dp").plan([]).batches == []
+    with pytest.raises(ValueError, match="max_items"):
+        make_planner([1], [1], 0, "dp")
+    with pytest.raises(ValueError, match="strategy"):
+        make_planner([1], [1], 1, "best")
+    with pytest.raises(ValueError, match="negative"):
+        make_planner([1], [1], 1, "dp").plan([Item(1, -1)])
+
+
+def test_in_queue_order_checks_counts():
+    plan = make_planner([4], [4], 4, "dp").plan([Item(1, 0), Item(1, 0)])
+    with pytest.raises(ValueError, match="results for a batch"):
+        plan.in_queue_order([[1]])
+
+
+def test_stats():
+    stats = PathStats()
+    b = PathBudgets.explicit("local", 100, [100, 400])
+    stats.record(path_plan(b, 3), replayed=True)
+    stats.record(path_plan(b, 5), replayed=False)
+    stats.record(path_plan(b, 0), replayed=False)
+    d = stats.as_dict()
+    assert (d["graph_hits"], d["graph_misses"], d["skipped"]) == (1, 1, 1)
+    assert (d["real_tokens"], d["padded_tokens"]) == (800, 100)
+    assert d["padding_fraction"] == pytest.approx(100 / 900)
+    assert d["batch_sizes"] == {3: 1, 5: 1}
