@@ -1,0 +1,65 @@
+"""Does torch.compile of the per-path forwards pay off under CUDA graphs? One page batch.
+
+    python bench/compile_bench.py [--pages 32] [--out bench/results]
+
+Builds two engines with one budget per path sized for exactly `pages` 2x3 pages (no padding):
+plain forwards, and `torch.compile`d forwards (Inductor fuses LayerNorms, GELUs, residual adds
+and layout copies; our Triton attention stays a custom op). Both capture CUDA graphs; reports
+compile + capture time and pages/s for the same staged batch, and the output difference.
+Writes compile-<date>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.encoder_bench import rel_err  # noqa: E402
+from bench.graph_bench import SIZES, image, on_gpu, wall_ms  # noqa: E402
+from encoder import EncoderArgs, preprocess  # noqa: E402
+from encoder.checkpoint import random_encoder  # noqa: E402
+from encoder.graphs import DualPathEncoder  # noqa: E402
+from scheduler import PathBudgets  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pages", type=int, default=32)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    opts = parser.parse_args(argv)
+    encoder = random_encoder(EncoderArgs(), device="cuda", dtype=torch.bfloat16)
+    budgets = (PathBudgets.explicit("global", 272, [272 * opts.pages]),
+               PathBudgets.explicit("local", 100, [600 * opts.pages]))
+    pages = [on_gpu(preprocess(image(SIZES["page-1191x1684"], 2)))] * opts.pages
+    rows, outputs = {}, {}
+    for name, compile_ in [("plain", False), ("compiled", True)]:
+        start = time.perf_counter()
+        engine = DualPathEncoder(encoder, budgets, max_items=opts.pages, compile=compile_)
+        setup_s = time.perf_counter() - start
+        with torch.inference_mode():
+            outputs[name] = engine.encode(pages)[0]
+            ms = wall_ms(lambda: engine.encode(pages), 10)
+        rows[name] = {"setup_s": setup_s, "ms": ms, "pages_per_s": opts.pages / ms * 1e3,
+                      "graph_memory_gb": engine.graph_memory_bytes / 2 ** 30}
+        print(f"{name}: setup {setup_s:.1f} s, {ms:.1f} ms per {opts.pages} pages, "
+              f"{rows[name]['pages_per_s']:.1f} pages/s", flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    result = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "pages": opts.pages, "variants": rows,
+              "speedup": rows["plain"]["ms"] / rows["compiled"]["ms"],
+              "rel_err_compiled_vs_plain": rel_err(outputs["compiled"], outputs["plain"])}
+    os.makedirs(opts.out, exist_ok=True)
+    with open(os.path.join(opts.out, f"compile-{result['date']}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps({k: v for k, v in result.items() if k != "variants"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
