@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.encoder_bench import rel_err  # noqa: E402
+from bench.common import rel_err, write_result  # noqa: E402
 from bench.graph_bench import SIZES, image, on_gpu, wall_ms  # noqa: E402
 from encoder import EncoderArgs, preprocess  # noqa: E402
 from encoder.checkpoint import random_encoder  # noqa: E402
@@ -49,17 +49,14 @@ def main(argv=None):
                       "graph_memory_gb": engine.graph_memory_bytes / 2 ** 30}
         print(f"{name}: setup {setup_s:.1f} s, {ms:.1f} ms per {opts.pages} pages, "
               f"{rows[name]['pages_per_s']:.1f} pages/s", flush=True)
-        del engine
+        engine = None  # free this engine's graphs before building the next
         torch.cuda.empty_cache()
     result = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "pages": opts.pages, "variants": rows,
               "speedup": rows["plain"]["ms"] / rows["compiled"]["ms"],
               "rel_err_compiled_vs_plain": rel_err(outputs["compiled"], outputs["plain"])}
-    os.makedirs(opts.out, exist_ok=True)
-    with open(os.path.join(opts.out, f"compile-{result['date']}.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    write_result(opts.out, "compile", result)
     print(json.dumps({k: v for k, v in result.items() if k != "variants"}, indent=2))
-
 
 if __name__ == "__main__":
     main()

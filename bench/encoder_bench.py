@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.common import graph_replay_ms, rel_err, time_ms, write_result  # noqa: E402
 from encoder import EncoderArgs, preprocess  # noqa: E402
 from encoder.checkpoint import random_encoder  # noqa: E402
 from encoder.flops import view_flops  # noqa: E402
@@ -35,37 +34,6 @@ IMPLS = ("dense", "augmented", "fused")  # fused = the Triton kernel on CUDA
 SUMMARY_CASE = "448x448"  # untiled: batch b = b global views
 TARGETS = {"speedup_b1": 1.3, "speedup_b8": 2.0, "activation_memory_ratio_b8": 0.3}
 GB = 1024 ** 3
-
-
-def time_ms(fn, iters: int, warmup: int = 3) -> float:
-    """Median of `iters` CUDA-event timings after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def graph_replay_ms(fn, iters: int) -> float:
-    """The same work replayed from a CUDA graph: GPU time without Python launch overhead."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    ms = time_ms(graph.replay, iters)
-    del graph
-    torch.cuda.empty_cache()
-    return ms
 
 
 def peak_above_baseline(fn) -> tuple[int, int]:
@@ -94,10 +62,6 @@ def encode(encoder, global_views, crops):
     if len(crops):
         out.append(encoder.forward_local(crops).flatten(0, 1))
     return torch.cat([o.reshape(-1, o.shape[-1]) for o in out])
-
-
-def rel_err(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def bench_cases(encoder, args: EncoderArgs, iters: int) -> list[dict]:
@@ -164,7 +128,6 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=20)
     opts = parser.parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
-    torch.backends.cuda.matmul.allow_tf32 = True
 
     args = EncoderArgs()
     encoder = random_encoder(args, device="cuda", dtype=torch.bfloat16)
@@ -199,13 +162,7 @@ def main(argv=None):
                            "crop_640": view_flops(args, 640) / 1e12},
         "summary": summary, "cases": cases, "attention_block": attention,
     }
-    os.makedirs(opts.out, exist_ok=True)
-    path = os.path.join(opts.out, f"encoder-{result['date']}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(summary, indent=2))
-    print("wrote", path)
-
+    write_result(opts.out, "encoder", result)
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import random
 import statistics
@@ -29,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.encoder_bench import rel_err  # noqa: E402
+from bench.common import rel_err, write_result  # noqa: E402
 from encoder import EncoderArgs, preprocess  # noqa: E402
 from encoder.checkpoint import random_encoder  # noqa: E402
 from encoder.flops import view_flops  # noqa: E402
@@ -89,7 +88,8 @@ def padding_comparison(seed: int = 0, queues: int = 2000, max_items: int = 32, m
         computed = sum(p.computed_tokens for p in plans)
         out[name] = {"padding_fraction": padded / computed, "batches": sum(len(p.batches) for p in plans),
                      "graphs": len(budgets[0].budgets) + len(budgets[1].budgets)}
-    out["workload"] = {"queues": queues, "images_per_queue": f"uniform 1..{max_queue}", "max_items_per_batch": max_items,
+    out["workload"] = {"queues": queues, "images_per_queue": f"uniform 1..{max_queue}",
+                       "max_items_per_batch": max_items,
                        "grid_shares": {f"{g[0]}x{g[1]}": w for g, w in MIX.items()}}
     return out
 
@@ -168,13 +168,7 @@ def main(argv=None):
         "pages": {str(b): r for b, r in throughput.items()},
         "padding": padding, "capture": capture, "engine_stats": graphs.stats(),
     }
-    os.makedirs(opts.out, exist_ok=True)
-    path = os.path.join(opts.out, f"graphs-{result['date']}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(summary, indent=2))
-    print("wrote", path)
-
+    write_result(opts.out, "graphs", result)
 
 if __name__ == "__main__":
     main()

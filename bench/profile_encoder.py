@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.encoder_bench import time_ms  # noqa: E402
+from bench.common import graph_replay_ms, time_ms  # noqa: E402
 from encoder import EncoderArgs  # noqa: E402
 from encoder.checkpoint import random_encoder  # noqa: E402
 
@@ -40,16 +40,7 @@ def main(argv=None):
                     torch.cuda.synchronize()
                 events = prof.key_averages()
                 kernel_ms = sum(e.self_device_time_total for e in events) / 1e3
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    fn()
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fn()
-                replay = time_ms(graph.replay, 10)
-                del graph
+                replay = graph_replay_ms(fn, 10)
             print(f"\n=== batch {batch} {impl}: eager {eager:.2f} ms, kernels {kernel_ms:.2f} ms, "
                   f"graph replay {replay:.2f} ms, launches {sum(e.count for e in events if e.device_type.name == 'CUDA')}")
             print(events.table(sort_by="self_device_time_total", row_limit=opts.rows, max_name_column_width=60))

@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.encoder_bench import rel_err, time_ms  # noqa: E402
+from bench.common import rel_err, time_ms, write_result  # noqa: E402
 from encoder.relpos_attention import dense_relpos_attention, rel_pos_terms  # noqa: E402
 from encoder.triton_relpos import _empty_output, launch  # noqa: E402
 
@@ -63,12 +63,9 @@ def main(argv=None):
         print(f"{name}: best {best['ms']:.3f} ms {tuned[side]} | dense {dense_ms:.3f} ms | "
               f"no-bias SDPA {floor_ms:.3f} ms", flush=True)
     print("TUNED =", json.dumps(tuned))
-    date = datetime.date.today().isoformat()
-    os.makedirs(opts.out, exist_ok=True)
-    with open(os.path.join(opts.out, f"relpos-kernel-tuning-{date}.json"), "w") as f:
-        json.dump({"date": date, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "tuned": tuned, "shapes": results}, f, indent=2)
-
+    write_result(opts.out, "relpos-kernel-tuning",
+                 {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+                  "torch": torch.__version__, "tuned": tuned, "shapes": results})
 
 if __name__ == "__main__":
     main()

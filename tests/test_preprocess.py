@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
 from encoder.preprocess import (
+    _reference_candidates,  # the reference expression, verbatim
     CROP_SIZE,
     MAX_IMAGE_PIXELS,
     MODES,
@@ -34,27 +35,13 @@ from encoder.preprocess import (
 # ---------------------------------------------------------------------------
 
 
-def reference_candidates(max_num: int, min_num: int = 2) -> list[tuple[int, int]]:
-    """DeepSeek's expression, verbatim, evaluated on the running interpreter."""
-    return sorted(
-        set(
-            (i, j)
-            for n in range(min_num, max_num + 1)
-            for i in range(1, n + 1)
-            for j in range(1, n + 1)
-            if min_num <= i * j <= max_num
-        ),
-        key=lambda x: x[0] * x[1],
-    )
-
-
 def reference_choose_grid(width: int, height: int, max_num: int, image_size: int = 640):
     """Straight re-implementation of find_closest_aspect_ratio."""
     aspect_ratio = width / height
     best_ratio_diff = float("inf")
     best_ratio = (1, 1)
     area = width * height
-    for ratio in reference_candidates(max_num):
+    for ratio in _reference_candidates(max_num, 2):
         target_aspect_ratio = ratio[0] / ratio[1]
         ratio_diff = abs(aspect_ratio - target_aspect_ratio)
         if ratio_diff < best_ratio_diff:
@@ -174,7 +161,7 @@ def test_candidate_grids_pinned_6_and_9():
 
 @pytest.mark.parametrize("max_crops", range(2, 10))
 def test_candidate_grids_match_reference_expression(max_crops):
-    assert candidate_grids(max_crops) == reference_candidates(max_crops)
+    assert candidate_grids(max_crops) == _reference_candidates(max_crops, 2)
 
 
 def test_candidate_grids_returns_a_fresh_list():

@@ -1,0 +1,55 @@
+"""Timing and result-writing helpers shared by the benchmark scripts (CUDA only)."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import torch
+
+
+def time_ms(fn, iters: int, warmup: int = 3) -> float:
+    """Median of `iters` CUDA-event timings after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_replay_ms(fn, iters: int) -> float:
+    """The same work replayed from a CUDA graph: GPU time without Python launch overhead."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = time_ms(graph.replay, iters)
+    del graph
+    torch.cuda.empty_cache()
+    return ms
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def write_result(out_dir: str, stem: str, result: dict) -> str:
+    """bench/results/<stem>-<date>.json; prints the summary (the reply's tail) and the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{stem}-{result['date']}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    if "summary" in result:
+        print(json.dumps(result["summary"], indent=2))
+    print("wrote", path)
+    return path
