@@ -75,3 +75,30 @@ def unlimited_ocr_model(encoder, args: EncoderArgs):
     vision_missing = [k for k in missing if not k.startswith("language_model.")]
     assert not vision_missing and not unexpected, (vision_missing, unexpected)
     return model
+
+
+def deepseek_ocr2_text_model(decoder):
+    """transformers' DeepseekOcr2TextModel (same decoder family) holding our decoder's weights."""
+    mod = pytest.importorskip("transformers.models.deepseek_ocr2.modeling_deepseek_ocr2",
+                              reason="transformers >= 5.10 (deepseek_ocr2) not installed")
+    from transformers import DeepseekOcr2TextConfig
+
+    a = decoder.args
+    config = DeepseekOcr2TextConfig(
+        vocab_size=a.vocab_size, hidden_size=a.hidden, intermediate_size=a.intermediate,
+        num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads, num_key_value_heads=a.n_heads,
+        n_routed_experts=a.n_experts, num_experts_per_tok=a.top_k,
+        moe_intermediate_size=a.moe_intermediate, n_shared_experts=a.n_shared_experts,
+        routed_scaling_factor=a.routed_scaling, topk_method="greedy", n_group=1, topk_group=1,
+        mlp_layer_types=["dense" if not a.is_moe(i) else "sparse" for i in range(a.n_layers)],
+        rope_parameters={"rope_type": "default", "rope_theta": a.rope_theta},
+        max_position_embeddings=a.max_positions, rms_norm_eps=a.rms_eps,
+        bos_token_id=a.bos_id, eos_token_id=a.eos_id)
+    config._attn_implementation = "eager"
+    model = mod.DeepseekOcr2TextModel(config).eval()
+    # Their experts are packed like ours (gate_up_proj = cat(gate, up), down_proj); keys lose
+    # the leading "model." and lm_head stays with us.
+    state = {k.removeprefix("model."): v.float() for k, v in decoder.state_dict().items()
+             if k != "lm_head.weight"}
+    model.load_state_dict(state, strict=True)
+    return model

@@ -1,0 +1,94 @@
+"""Load the language model from a released-layout checkpoint; write random ones.
+
+The released keys are used unchanged on disk. In memory the routed experts are packed (see
+decoder/model.py): `experts.{e}.gate_proj` and `up_proj` rows become `gate_up_proj[e]`,
+`down_proj` becomes `down_proj[e]`. Reading, validation and writing reuse the encoder's
+checkpoint helpers, so both halves of a checkpoint follow the same rules and errors.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from encoder.checkpoint import (check_state_dict, random_state_dict, read_tensors,
+                                write_random_checkpoint)
+from encoder.config import EncoderArgs, read_config
+
+from .config import DecoderArgs
+from .model import Decoder
+
+LANGUAGE_PREFIXES = ("model.embed_tokens.", "model.layers.", "model.norm.", "lm_head.")
+
+
+def released_shapes(args: DecoderArgs) -> dict[str, torch.Size]:
+    """Every language tensor of the released layout and its shape."""
+    h, i, e, mi = args.hidden, args.intermediate, args.n_experts, args.moe_intermediate
+    shapes = {"model.embed_tokens.weight": (args.vocab_size, h), "model.norm.weight": (h,),
+              "lm_head.weight": (args.vocab_size, h)}
+    for layer in range(args.n_layers):
+        p = f"model.layers.{layer}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        shapes |= {p + f"self_attn.{n}_proj.weight": (h, h) for n in "qkvo"}
+        if args.is_moe(layer):
+            shapes[p + "mlp.gate.weight"] = (e, h)
+            shared = mi * args.n_shared_experts
+            mlps = [(f"mlp.experts.{x}.", mi) for x in range(e)] + [("mlp.shared_experts.", shared)]
+        else:
+            mlps = [("mlp.", i)]
+        for name, width in mlps:
+            shapes |= {p + name + "gate_proj.weight": (width, h), p + name + "up_proj.weight": (width, h),
+                       p + name + "down_proj.weight": (h, width)}
+    return {k: torch.Size(v) for k, v in shapes.items()}
+
+
+def pack_experts(tensors: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
+    """Released keys (model.-prefixed) -> the Decoder module's state dict."""
+    state = dict(tensors)
+    for layer in range(args.n_layers):
+        if not args.is_moe(layer):
+            continue
+        p = f"model.layers.{layer}.mlp.experts."
+        gate_up, down = [], []
+        for x in range(args.n_experts):
+            gate_up.append(torch.cat([state.pop(f"{p}{x}.gate_proj.weight"),
+                                      state.pop(f"{p}{x}.up_proj.weight")]))
+            down.append(state.pop(f"{p}{x}.down_proj.weight"))
+        state[p + "gate_up_proj"] = torch.stack(gate_up)
+        state[p + "down_proj"] = torch.stack(down)
+    return state
+
+
+def _is_language_key(key: str) -> bool:
+    return key.startswith(LANGUAGE_PREFIXES)
+
+
+def load_decoder(path: str | os.PathLike, device="cpu", dtype=torch.float32) -> Decoder:
+    """The language model of a checkpoint directory, in eval mode."""
+    args = DecoderArgs.from_config(read_config(path))
+    tensors = read_tensors(path, _is_language_key)
+    check_state_dict(tensors, released_shapes(args), os.fspath(path))
+    return build_decoder(args, tensors, device, dtype)
+
+
+def build_decoder(args: DecoderArgs, tensors: dict[str, torch.Tensor], device, dtype) -> Decoder:
+    with torch.device("meta"):
+        model = Decoder(args)
+    state = {k: v.to(device=device, dtype=dtype) for k, v in pack_experts(tensors, args).items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval().requires_grad_(False)
+
+
+def random_decoder(args: DecoderArgs, device="cpu", dtype=torch.float32, seed: int = 0) -> Decoder:
+    """What write_random_model + load_decoder give, without the disk (benchmarks)."""
+    return build_decoder(args, random_state_dict(released_shapes(args), seed), device, dtype)
+
+
+def write_random_model(path, vision: EncoderArgs | None = None, language: DecoderArgs | None = None,
+                       seed: int = 0, dtype=torch.bfloat16, num_shards: int | None = None) -> str:
+    """A whole random DeepSeek-OCR checkpoint (vision + language) in the released layout;
+    tiny dims by default (the app's default model when no checkpoint is given)."""
+    vision, language = vision or EncoderArgs.tiny(), language or DecoderArgs.tiny()
+    extra = {k: v.to(dtype) for k, v in random_state_dict(released_shapes(language), seed + 1).items()}
+    return write_random_checkpoint(path, vision, seed, dtype=dtype, num_shards=num_shards,
+                                   extra_config=language.to_config(), extra_tensors=extra)

@@ -1,0 +1,110 @@
+"""The language model against transformers' DeepseekOcr2TextModel, and its checkpoint loading."""
+import json
+import os
+
+import pytest
+import torch
+
+from decoder.checkpoint import load_decoder, released_shapes, write_random_model
+from decoder.config import DecoderArgs
+from decoder.model import grouped_mm
+from encoder import CheckpointError, EncoderArgs
+from encoder.checkpoint import SINGLE_FILE
+from tests.reference import deepseek_ocr2_text_model
+
+# Real head dim (128) and top-6 of 16 experts; small widths and depth.
+REF_ARGS = DecoderArgs(vocab_size=512, hidden=256, n_layers=3, n_heads=2, intermediate=384,
+                       n_experts=16, moe_intermediate=64, top_k=6, name="reference-test")
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    path = write_random_model(tmp_path_factory.mktemp("dec"), EncoderArgs.tiny(), REF_ARGS,
+                              seed=3, dtype=torch.float32)
+    ours = load_decoder(path)
+    return ours, deepseek_ocr2_text_model(ours)
+
+
+def test_logits_match_deepseek_ocr2(pair):
+    ours, theirs = pair
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, REF_ARGS.vocab_size, (2, 37), generator=gen)
+    with torch.inference_mode():
+        expected = ours.lm_head(theirs(input_ids=ids).last_hidden_state)
+        got = ours(input_ids=ids)
+        embeds = ours.embed(ids) + 0.1 * torch.randn(2, 37, REF_ARGS.hidden, generator=gen)
+        expected_e = ours.lm_head(theirs(inputs_embeds=embeds).last_hidden_state)
+        got_e = ours(inputs_embeds=embeds)
+    assert got.shape == (2, 37, REF_ARGS.vocab_size)
+    assert rel_err(got, expected) <= 1e-4 and rel_err(got_e, expected_e) <= 1e-4
+
+
+def test_expert_choices_match_per_layer(pair):
+    ours, theirs = pair
+    x = torch.randn(50, REF_ARGS.hidden, generator=torch.Generator().manual_seed(1))
+    for layer in range(1, REF_ARGS.n_layers):
+        with torch.inference_mode():
+            _, our_experts = ours.model.layers[layer].mlp.gate(x)
+            _, their_weights, their_experts = theirs.layers[layer].mlp.gate(x)
+            our_out = ours.model.layers[layer].mlp(x[None])[0]
+            their_out = theirs.layers[layer].mlp(x[None])[0]
+        assert torch.equal(our_experts.sort(-1).values, their_experts.sort(-1).values)
+        assert rel_err(our_out, their_out) <= 1e-5
+
+
+def test_grouped_mm_matches_a_loop():
+    gen = torch.Generator().manual_seed(2)
+    counts = torch.tensor([3, 0, 5, 1])
+    x = torch.randn(int(counts.sum()), 16, generator=gen)
+    w = torch.randn(4, 24, 16, generator=gen)
+    expected = torch.cat([p @ w[g].t() for g, p in enumerate(x.split(counts.tolist()))])
+    torch.testing.assert_close(grouped_mm(x, w, counts), expected)
+
+
+def test_real_dims_layout():
+    shapes = released_shapes(DecoderArgs())
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == (6848, 1280)
+    assert shapes["model.layers.1.mlp.experts.63.down_proj.weight"] == (1280, 896)
+    assert shapes["model.layers.11.mlp.shared_experts.up_proj.weight"] == (1792, 1280)
+    assert shapes["model.layers.5.mlp.gate.weight"] == (64, 1280)
+    assert shapes["lm_head.weight"] == (129280, 1280)
+    # The released checkpoint: 2,234 language tensors (DeepSeek-OCR notes, 2,710 in all).
+    assert len(shapes) == 2234
+
+
+def test_config_round_trip_and_refusals():
+    config = DecoderArgs().to_config()
+    assert config["language_config"]["n_routed_experts"] == 64 and config["hidden_size"] == 1280
+    assert DecoderArgs.from_config(config) == DecoderArgs()
+    assert DecoderArgs.from_config({k: v for k, v in config.items() if k != "language_config"}) == DecoderArgs()
+    for key, value in [("use_mla", True), ("topk_method", "noaux_tc"), ("norm_topk_prob", True)]:
+        bad = dict(config, language_config=dict(config["language_config"], **{key: value}))
+        with pytest.raises(ValueError, match=key):
+            DecoderArgs.from_config(bad)
+
+
+def test_missing_and_misshaped_language_keys(tmp_path):
+    from safetensors.torch import load_file, save_file
+    path = write_random_model(tmp_path, dtype=torch.float32)
+    file = os.path.join(path, SINGLE_FILE)
+    tensors = load_file(file)
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    tensors["model.norm.weight"] = torch.zeros(5)
+    save_file(tensors, file)
+    with pytest.raises(CheckpointError) as e:
+        load_decoder(path)
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in str(e.value)
+    assert "model.norm.weight: checkpoint (5,), model (64,)" in str(e.value)
+
+
+def test_language_config_missing_field(tmp_path):
+    path = write_random_model(tmp_path)
+    config = json.load(open(os.path.join(path, "config.json")))
+    del config["language_config"]["hidden_size"]
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(ValueError, match="hidden_size"):
+        load_decoder(path)
