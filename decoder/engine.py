@@ -1,0 +1,316 @@
+"""Greedy generation with continuous batching: requests join and leave at step boundaries.
+
+`GenerationEngine.step()` is one iteration:
+  1. admit waiting requests while slots are free: prefill each on its own (its prompt embeddings,
+     image embeddings merged at the placeholder positions) into its KV-cache slot; the last
+     logits give its first token;
+  2. one decode step for every running sequence together: each feeds its newest token, the
+     model writes one KV entry per sequence and returns one row of logits per sequence;
+  3. per sequence: the no-repeat-n-gram rule bans tokens, argmax picks the next one, text deltas
+     are decoded incrementally, and EOS / max_tokens / stop strings / the context limit finish it;
+     a finished sequence leaves and the last running one moves into its slot (slots stay
+     compact, so the decode step reads one contiguous view of the cache).
+Greedy decoding of each sequence does not depend on its neighbours: rows never attend to each
+other and padded cache positions are masked, so batching reproduces generating alone.
+
+`AsyncEngine` runs `step()` on one background thread (all GPU work on that thread) and streams
+each request's deltas to an asyncio queue; the decoder deployment uses it.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .model import CacheStep, Decoder, KVCache
+from .ngram import NGramConfig, NoRepeatNGram
+from .tokenizer import IMAGE_TOKEN_ID, IncrementalDecoder, find_stop, holdback
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 8192
+    stop: tuple[str, ...] = ()
+    ngram: NGramConfig = field(default_factory=NGramConfig)
+    ignore_eos: bool = False  # benchmarks: generate exactly max_tokens
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    image_embeds: list[torch.Tensor] = field(default_factory=list)  # [n_i, hidden] per image
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = ""
+
+
+@dataclass
+class Delta:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "eos", "length", "stop", "aborted"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    slot: int
+    length: int  # tokens in the KV cache
+    max_tokens: int
+    ngram: NoRepeatNGram | None
+    detok: IncrementalDecoder
+    tokens: list[int] = field(default_factory=list)  # generated, EOS included
+    text: str = ""  # decoded so far (before any stop truncation)
+    emitted: int = 0  # characters of text already sent
+    pending: int | None = None  # newest token, not yet in the cache
+
+
+class GenerationEngine:
+    def __init__(self, model: Decoder, tokenizer, max_batch: int = 64, max_len: int | None = None):
+        self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
+        self.max_len = max_len or model.args.max_positions
+        self.cache = KVCache(model.args, max_batch, self.max_len, model.device, model.dtype)
+        self.waiting: deque[GenerationRequest] = deque()
+        self.running: list[_Sequence] = []
+        self._ids = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------
+    def add(self, request: GenerationRequest) -> str:
+        """Validate and queue a request; returns its id."""
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise ValueError("empty prompt")
+        if n >= self.max_len:
+            raise ValueError(f"prompt of {n} tokens does not fit the context of {self.max_len}")
+        placeholders = sum(1 for t in request.prompt_ids if t == IMAGE_TOKEN_ID)
+        given = sum(e.shape[0] for e in request.image_embeds)
+        if placeholders != given:
+            raise ValueError(f"prompt has {placeholders} image placeholder tokens but the image "
+                             f"embeddings have {given} rows")
+        bad = [e.shape for e in request.image_embeds
+               if e.dim() != 2 or e.shape[1] != self.model.args.hidden]
+        if bad:
+            raise ValueError(f"image embeddings must be [n, {self.model.args.hidden}], got {bad}")
+        request.request_id = request.request_id or f"req-{next(self._ids)}"
+        self.waiting.append(request)
+        return request.request_id
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Delta | None:
+        for request in list(self.waiting):
+            if request.request_id == request_id:
+                self.waiting.remove(request)
+                return Delta(request_id, "", [], True, "aborted", len(request.prompt_ids))
+        for seq in self.running:
+            if seq.request.request_id == request_id:
+                self._leave(seq)
+                return self._delta(seq, [], "aborted")
+        return None
+
+    # -- one iteration ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Delta]:
+        deltas = []
+        while self.waiting and len(self.running) < self.max_batch:
+            seq, logits = self._prefill(self.waiting.popleft())
+            deltas += self._accept([seq], logits)
+        if self.running:
+            active = [s for s in self.running if s.pending is not None]
+            logits = self._decode(active)
+            deltas += self._accept(active, logits)
+        return deltas
+
+    def _prefill(self, request: GenerationRequest) -> tuple[_Sequence, torch.Tensor]:
+        ids = torch.tensor(request.prompt_ids, device=self.model.device)
+        embeds = self.model.embed(ids)
+        if request.image_embeds:
+            images = torch.cat([e.to(embeds.device, embeds.dtype) for e in request.image_embeds])
+            embeds = embeds.index_put((torch.nonzero(ids == IMAGE_TOKEN_ID)[:, 0],), images)
+        slot = len(self.running)
+        logits = self.model(inputs_embeds=embeds[None], step=CacheStep(self.cache, slot=slot),
+                            last_only=True)[:, -1]
+        params = request.params
+        seq = _Sequence(request, slot, len(request.prompt_ids),
+                        min(params.max_tokens, self.max_len - len(request.prompt_ids)),
+                        NoRepeatNGram(params.ngram.ngram_size, params.ngram.window,
+                                      params.ngram.whitelist) if params.ngram.enabled else None,
+                        IncrementalDecoder(self.tokenizer))
+        self.running.append(seq)
+        return seq, logits
+
+    def _decode(self, active: list[_Sequence]) -> torch.Tensor:
+        # Active sequences are exactly the running ones, in slot order 0..S-1.
+        assert [s.slot for s in active] == list(range(len(active))), "slots must stay compact"
+        device = self.model.device
+        tokens = torch.tensor([[s.pending] for s in active], device=device)
+        positions = torch.tensor([s.length for s in active], device=device)
+        step = CacheStep(self.cache, positions=positions, kv_len=max(s.length for s in active) + 1)
+        logits = self.model(input_ids=tokens, positions=positions[:, None], step=step)[:, -1]
+        for s in active:
+            s.length += 1
+            s.pending = None
+        return logits
+
+    def _accept(self, seqs: list[_Sequence], logits: torch.Tensor) -> list[Delta]:
+        """Pick each sequence's next token from its logits row; emit deltas; retire the done."""
+        logits = logits.float()
+        # All sequences' banned tokens in one indexed write (not one small copy per sequence).
+        rows, cols = [], []
+        for i, seq in enumerate(seqs):
+            if seq.ngram is not None:
+                banned = seq.ngram.banned()
+                rows += [i] * len(banned)
+                cols += banned
+        if rows:
+            device = logits.device
+            logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+        picks = logits.argmax(dim=-1).tolist()  # the one host sync per step
+        deltas = []
+        for seq, token in zip(seqs, picks):
+            seq.tokens.append(token)
+            if seq.ngram is not None:
+                seq.ngram.push(token)
+            reason = None
+            if token == self.model.args.eos_id and not seq.request.params.ignore_eos:
+                reason = "eos"
+            else:
+                seq.text += seq.detok.push([token])
+                if len(seq.tokens) >= seq.max_tokens:
+                    reason = "length"
+            stops = seq.request.params.stop
+            cut = find_stop(seq.text, list(stops), seq.emitted) if stops else None
+            if cut is not None:
+                seq.text, reason = seq.text[:cut], "stop"
+            if reason is not None:
+                if reason != "stop":
+                    seq.text += seq.detok.flush()
+                self._leave(seq)
+                deltas.append(self._delta(seq, [token], reason))
+            else:
+                seq.pending = token
+                deltas.append(self._delta(seq, [token], None))
+        return deltas
+
+    def _delta(self, seq: _Sequence, tokens: list[int], reason: str | None) -> Delta:
+        # Hold back a tail that could still grow into a stop string.
+        end = len(seq.text) if reason else len(seq.text) - holdback(seq.text, list(seq.request.params.stop))
+        end = max(end, seq.emitted)
+        text, seq.emitted = seq.text[seq.emitted:end], end
+        return Delta(seq.request.request_id, text, tokens, reason is not None, reason,
+                     len(seq.request.prompt_ids), len(seq.tokens))
+
+    def _leave(self, seq: _Sequence) -> None:
+        """Free seq's slot; the last running sequence moves into it (slots stay compact)."""
+        last = self.running[-1]
+        self.running.remove(seq)
+        if last is not seq:
+            self.cache.move(last.slot, seq.slot)
+            last.slot = seq.slot
+            self.running.remove(last)
+            self.running.insert(seq.slot, last)
+
+    # -- offline helper ---------------------------------------------------------------------
+    def generate(self, requests: list[GenerationRequest]) -> list[Delta]:
+        """Run requests to completion; one Delta per request with all text and tokens."""
+        ids = [self.add(r) for r in requests]
+        results = {i: Delta(i, "", []) for i in ids}
+        while self.has_work():
+            for d in self.step():
+                r = results[d.request_id]
+                r.text += d.text
+                r.token_ids += d.token_ids
+                r.finished, r.finish_reason = d.finished, d.finish_reason
+                r.prompt_tokens, r.completion_tokens = d.prompt_tokens, d.completion_tokens
+        return [results[i] for i in ids]
+
+
+class AsyncEngine:
+    """One background thread steps the engine; each request streams deltas to its event loop."""
+
+    def __init__(self, engine: GenerationEngine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="generation-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        loop, deltas = asyncio.get_running_loop(), asyncio.Queue()
+        self._inbox.put(("add", request, loop, deltas))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await deltas.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # the consumer went away: free the slot
+                self._inbox.put(("abort", request.request_id, None, None))
+                self._wake.set()
+
+    def _publish(self, delta: Delta) -> None:
+        loop, deltas = self._streams[delta.request_id]
+        loop.call_soon_threadsafe(deltas.put_nowait, delta)
+        if delta.finished:
+            del self._streams[delta.request_id]
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload, loop, deltas = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    request_id = self.engine.add(payload)
+                    self._streams[request_id] = (loop, deltas)
+                except Exception as e:  # bad request: tell its caller, keep serving
+                    loop.call_soon_threadsafe(deltas.put_nowait, e)
+            else:  # abort: its consumer is gone, nobody to tell
+                self.engine.abort(payload)
+                self._streams.pop(payload, None)
+
+    def _loop(self) -> None:
+        while True:
+            self._drain_inbox()
+            if not self.engine.has_work():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                deltas = self.engine.step()
+            except Exception as e:  # fail the requests in flight, not the engine
+                log.exception("generation step failed")
+                for seq in list(self.engine.running):
+                    self.engine.abort(seq.request.request_id)
+                for loop, q in self._streams.values():
+                    loop.call_soon_threadsafe(q.put_nowait, RuntimeError(f"generation failed: {e}"))
+                self._streams.clear()
+                continue
+            for delta in deltas:
+                if delta.request_id in self._streams:
+                    self._publish(delta)

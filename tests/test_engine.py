@@ -1,0 +1,192 @@
+"""Continuous batching, KV cache, stop conditions and streaming of the generation engine (CPU)."""
+import asyncio
+
+import pytest
+import torch
+
+from decoder.checkpoint import load_decoder, write_random_model
+from decoder.engine import AsyncEngine, GenerationEngine, GenerationRequest, SamplingParams
+from decoder.ngram import NGramConfig
+from decoder.prompt import build_prompt
+from decoder.tokenizer import IMAGE_TOKEN_ID, ByteTokenizer
+
+OFF = NGramConfig.off()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_decoder(write_random_model(tmp_path_factory.mktemp("lm"), dtype=torch.float32))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return ByteTokenizer()
+
+
+def make_request(tokenizer, prompt, image_tokens=(), max_tokens=24, seed=0, **params):
+    gen = torch.Generator().manual_seed(seed)
+    ids = build_prompt(tokenizer, prompt, list(image_tokens))
+    embeds = [torch.randn(n, 64, generator=gen) for n in image_tokens]
+    return GenerationRequest(ids, embeds, SamplingParams(max_tokens=max_tokens, **params))
+
+
+def requests(tokenizer, ngram=OFF):
+    return [make_request(tokenizer, "<image>\nFree OCR.", [273], 30, 1, ngram=ngram),
+            make_request(tokenizer, "hello", (), 12, 2, ngram=ngram),
+            make_request(tokenizer, "<image><image>\n<|grounding|>Convert the document to markdown.",
+                         [903, 273], 40, 3, ngram=ngram),
+            make_request(tokenizer, "a b c", (), 5, 4, ngram=ngram),
+            make_request(tokenizer, "<image>x", [111], 33, 5, ngram=ngram)]
+
+
+def greedy_without_cache(model, request):
+    """Reference: recompute the whole sequence every step (no KV cache, no batching)."""
+    ids = torch.tensor(request.prompt_ids)
+    embeds = model.embed(ids)
+    if request.image_embeds:
+        embeds[ids == IMAGE_TOKEN_ID] = torch.cat(request.image_embeds)
+    out = []
+    with torch.inference_mode():
+        for _ in range(request.params.max_tokens):
+            token = model(inputs_embeds=embeds[None])[0, -1].argmax().item()
+            out.append(token)
+            if token == model.args.eos_id:
+                break
+            embeds = torch.cat([embeds, model.embed(torch.tensor([token]))])
+    return out
+
+
+def test_cached_generation_equals_recomputation(model, tokenizer):
+    request = requests(tokenizer)[0]
+    (result,) = GenerationEngine(model, tokenizer, max_batch=2, max_len=1024).generate([request])
+    assert result.token_ids == greedy_without_cache(model, requests(tokenizer)[0])
+
+
+@pytest.mark.parametrize("ngram", [OFF, NGramConfig(ngram_size=3, window=20)], ids=["plain", "ngram"])
+def test_continuous_batching_equals_alone(model, tokenizer, ngram):
+    # max_batch 2 < 5 requests: later ones join as earlier ones finish.
+    together = GenerationEngine(model, tokenizer, max_batch=2, max_len=2048).generate(
+        requests(tokenizer, ngram))
+    alone = [GenerationEngine(model, tokenizer, max_batch=1, max_len=2048).generate([r])[0]
+             for r in requests(tokenizer, ngram)]
+    for t, a in zip(together, alone):
+        assert t.token_ids == a.token_ids and t.text == a.text
+        assert t.finished and t.finish_reason == a.finish_reason
+    assert [t.completion_tokens for t in together] == [len(t.token_ids) for t in together]
+    assert together[1].prompt_tokens == 1 + len(tokenizer.encode("hello"))
+
+
+def test_ngram_rule_holds_in_generated_tokens(model, tokenizer):
+    n, window = 3, 20
+    request = make_request(tokenizer, "zz", (), 60, ngram=NGramConfig(ngram_size=n, window=window))
+    (result,) = GenerationEngine(model, tokenizer, max_len=512).generate([request])
+    tokens = result.token_ids
+    for end in range(n, len(tokens)):
+        seen = {tuple(tokens[i:i + n]) for i in range(max(0, end - window), end - n + 1)}
+        assert tuple(tokens[end - n + 1:end + 1]) not in seen or tokens[end] in (128821, 128822)
+
+
+def test_random_model_repeats_without_the_rule(model, tokenizer):
+    # Guards the test above: without the rule this model does repeat 3-grams.
+    (result,) = GenerationEngine(model, tokenizer, max_len=512).generate(
+        [make_request(tokenizer, "zz", (), 60, ngram=OFF)])
+    t = result.token_ids
+    grams = [tuple(t[i:i + 3]) for i in range(len(t) - 2)]
+    assert len(set(grams)) < len(grams)
+
+
+def test_max_tokens_and_stop_strings(model, tokenizer):
+    engine = GenerationEngine(model, tokenizer, max_len=512)
+    (full,) = engine.generate([make_request(tokenizer, "hi", (), 40)])
+    assert full.finish_reason == "length" and full.completion_tokens == 40
+    text = full.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    (stopped,) = engine.generate([make_request(tokenizer, "hi", (), 40, stop=(stop,))])
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == text[: text.index(stop)]
+
+
+def test_eos_finishes_and_is_not_in_the_text(tmp_path, tokenizer):
+    model = load_decoder(write_random_model(tmp_path, dtype=torch.float32))
+    with torch.no_grad():
+        model.lm_head.weight[model.args.eos_id] = 50 * model.model.norm.weight.sign()
+    (result,) = GenerationEngine(model, tokenizer, max_len=256).generate(
+        [make_request(tokenizer, "hi", (), 10)])
+    assert (result.finish_reason, result.token_ids, result.text) == ("eos", [1], "")
+
+
+def test_context_limit_caps_generation(model, tokenizer):
+    engine = GenerationEngine(model, tokenizer, max_len=64)
+    request = make_request(tokenizer, "x" * 50, (), 100)
+    (result,) = engine.generate([request])
+    assert result.finish_reason == "length" and result.completion_tokens == 64 - len(request.prompt_ids)
+
+
+def test_bad_requests_are_refused(model, tokenizer):
+    engine = GenerationEngine(model, tokenizer, max_len=64)
+    with pytest.raises(ValueError, match="placeholder"):
+        engine.add(GenerationRequest([0, IMAGE_TOKEN_ID, IMAGE_TOKEN_ID], [torch.zeros(1, 64)]))
+    with pytest.raises(ValueError, match="does not fit"):
+        engine.add(GenerationRequest([0] * 64))
+    with pytest.raises(ValueError, match=r"\[n, 64\]"):
+        engine.add(GenerationRequest([0, IMAGE_TOKEN_ID], [torch.zeros(1, 32)]))
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.add(GenerationRequest([]))
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    assert not engine.has_work()
+
+
+def test_abort_frees_the_slot(model, tokenizer):
+    engine = GenerationEngine(model, tokenizer, max_batch=2, max_len=256)
+    a = engine.add(make_request(tokenizer, "one", (), 50))
+    b = engine.add(make_request(tokenizer, "two", (), 5))
+    engine.step()
+    assert engine.abort(a).finish_reason == "aborted"
+    assert [s.request.request_id for s in engine.running] == [b] and engine.running[0].slot == 0
+    while engine.has_work():
+        engine.step()
+    assert engine.abort("nope") is None
+
+
+def test_async_engine_streams_and_matches_offline(model, tokenizer):
+    offline = GenerationEngine(model, tokenizer, max_batch=4, max_len=2048).generate(requests(tokenizer))
+    engine = AsyncEngine(GenerationEngine(model, tokenizer, max_batch=4, max_len=2048))
+
+    async def collect(request):
+        text, tokens, chunks = "", [], 0
+        async for delta in engine.generate(request):
+            text, tokens, chunks = text + delta.text, tokens + delta.token_ids, chunks + 1
+        return text, tokens, chunks, delta.finish_reason
+
+    async def main():
+        return await asyncio.gather(*(collect(r) for r in requests(tokenizer)))
+
+    streamed = asyncio.run(main())
+    for (text, tokens, chunks, reason), expected in zip(streamed, offline):
+        assert (text, tokens, reason) == (expected.text, expected.token_ids, expected.finish_reason)
+        assert chunks == len(tokens)  # one delta per generated token
+
+
+def test_async_engine_bad_request_and_early_exit(model, tokenizer):
+    engine = AsyncEngine(GenerationEngine(model, tokenizer, max_batch=2, max_len=256))
+
+    async def bad():
+        async for _ in engine.generate(GenerationRequest([0, IMAGE_TOKEN_ID])):
+            pass
+
+    async def early():
+        async for delta in engine.generate(make_request(tokenizer, "long", (), 200)):
+            break  # client went away after the first delta
+        await asyncio.sleep(0.2)
+        return delta
+
+    with pytest.raises(ValueError, match="placeholder"):
+        asyncio.run(bad())
+    first = asyncio.run(early())
+    assert not first.finished
+    for _ in range(50):
+        if not engine.engine.has_work():
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert not engine.engine.has_work()
