@@ -80,8 +80,8 @@ def build_decoder(args: DecoderArgs, tensors: dict[str, torch.Tensor], device, d
 
 
 def random_decoder(args: DecoderArgs, device="cpu", dtype=torch.float32, seed: int = 0) -> Decoder:
-    """What write_random_model + load_decoder give, without the disk (benchmarks)."""
-    return build_decoder(args, random_state_dict(released_shapes(args), seed), device, dtype)
+    """A random decoder without the disk (benchmarks); weights drawn on `device`."""
+    return build_decoder(args, random_state_dict(released_shapes(args), seed, device), device, dtype)
 
 
 def write_random_model(path, vision: EncoderArgs | None = None, language: DecoderArgs | None = None,

@@ -103,9 +103,9 @@ def load_encoder(path: str | os.PathLike, device="cpu", dtype=torch.float32) -> 
 
 
 def random_encoder(args: EncoderArgs, device="cpu", dtype=torch.float32, seed: int = 0) -> DeepEncoder:
-    """The encoder that write_random_checkpoint + load_encoder give, without the disk round trip
-    (benchmarks at real dims)."""
-    return _build(args, random_state_dict(vision_shapes(args), seed), device, dtype)
+    """A random encoder without the disk round trip (benchmarks at real dims); on CPU it equals
+    write_random_checkpoint + load_encoder of the same seed."""
+    return _build(args, random_state_dict(vision_shapes(args), seed, device), device, dtype)
 
 
 def _build(args: EncoderArgs, tensors: dict[str, torch.Tensor], device, dtype) -> DeepEncoder:
@@ -120,7 +120,7 @@ def _build(args: EncoderArgs, tensors: dict[str, torch.Tensor], device, dtype) -
 def random_tensor(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
     """Random weights that keep activations O(1) and make every parameter matter in tests
     (LayerNorm scales away from 1, non-zero biases and relative-position tables)."""
-    noise = torch.randn(shape, generator=gen)
+    noise = torch.randn(shape, generator=gen, device=gen.device)
     if name.endswith(".bias"):
         return 0.02 * noise
     if len(shape) == 1 and name.endswith(".weight"):  # norm scales
@@ -132,8 +132,11 @@ def random_tensor(name: str, shape: torch.Size, gen: torch.Generator) -> torch.T
     return noise / math.sqrt(math.prod(shape[1:]))  # fan-in scaling
 
 
-def random_state_dict(shapes: dict[str, torch.Size], seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
+def random_state_dict(shapes: dict[str, torch.Size], seed: int = 0,
+                      device="cpu") -> dict[str, torch.Tensor]:
+    """Random tensors drawn on `device` (a GPU draws the 3.3B real-dim weights in a blink; values
+    then differ from a CPU draw of the same seed)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     return {k: random_tensor(k, shape, gen) for k, shape in sorted(shapes.items())}
 
 
