@@ -299,24 +299,8 @@ class DeepEncoder(nn.Module):
         return self.forward_views(crops)
 
     def assemble(self, global_tokens, crop_tokens, grid: tuple[int, int]):
-        """One image's sequence: stitched local grid + newlines, then global, then separator.
-
-        global_tokens [g*(g+1), D] from forward_global; crop_tokens [P, m*m, D] (P = w_t * h_t,
-        row-major) from forward_local, ignored when the image is untiled (grid (1, 1)).
-        """
-        d = global_tokens.shape[-1]
-        parts = []
-        w_t, h_t = grid
-        if (w_t, h_t) != (1, 1):
-            p, t, _ = crop_tokens.shape
-            assert p == w_t * h_t, f"{p} crops for a {w_t}x{h_t} grid"
-            m = math.isqrt(t)
-            local = crop_tokens.reshape(h_t, w_t, m, m, d).permute(0, 2, 1, 3, 4)
-            local = local.reshape(h_t * m, w_t * m, d)
-            newline = self.image_newline.to(local.dtype).expand(h_t * m, 1, d)
-            parts.append(torch.cat([local, newline], dim=1).reshape(-1, d))
-        parts += [global_tokens, self.view_seperator.to(global_tokens.dtype)[None]]
-        return torch.cat(parts, dim=0)
+        """One image's sequence from its two paths' outputs (see `assemble`)."""
+        return assemble(global_tokens, crop_tokens, grid, self.image_newline, self.view_seperator)
 
     @torch.inference_mode()
     def encode_images(self, images, mode: str = "gundam", max_crops: int = 6) -> list[torch.Tensor]:
@@ -343,3 +327,25 @@ class DeepEncoder(nn.Module):
             assert seq.shape[0] == item.num_tokens, (seq.shape, item.num_tokens)
             out.append(seq)
         return out
+
+
+def assemble(global_tokens, crop_tokens, grid: tuple[int, int], newline, separator):
+    """One image's sequence: stitched local grid + newlines, then global, then separator.
+
+    global_tokens [g*(g+1), D] from forward_global; crop_tokens [P, m*m, D] (P = w_t * h_t,
+    row-major) from forward_local, ignored when the image is untiled (grid (1, 1)); newline and
+    separator [D] are the model's `image_newline` and `view_seperator`. Plain tensor math, so the
+    router assembles on CPU without the model.
+    """
+    d = global_tokens.shape[-1]
+    parts = []
+    w_t, h_t = grid
+    if (w_t, h_t) != (1, 1):
+        p, t, _ = crop_tokens.shape
+        assert p == w_t * h_t, f"{p} crops for a {w_t}x{h_t} grid"
+        m = math.isqrt(t)
+        local = crop_tokens.reshape(h_t, w_t, m, m, d).permute(0, 2, 1, 3, 4).reshape(h_t * m, w_t * m, d)
+        rows = newline.to(local.dtype).expand(h_t * m, 1, d)
+        parts.append(torch.cat([local, rows], dim=1).reshape(-1, d))
+    parts += [global_tokens, separator.to(global_tokens.dtype)[None]]
+    return torch.cat(parts, dim=0)
