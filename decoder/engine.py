@@ -50,7 +50,7 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests hold tensors, and two may be equal
 class GenerationRequest:
     prompt_ids: list[int]
     image_embeds: list[torch.Tensor] = field(default_factory=list)  # [n_i, hidden] per image
@@ -69,7 +69,7 @@ class Delta:
     completion_tokens: int = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Sequence:
     request: GenerationRequest
     slot: int
@@ -115,6 +115,11 @@ class GenerationEngine:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def reset(self) -> None:
+        """Drop every request (after a failed step, whose state cannot be trusted)."""
+        self.waiting.clear()
+        self.running.clear()
 
     def abort(self, request_id: str) -> Delta | None:
         for request in list(self.waiting):
@@ -255,6 +260,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="generation-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """False once the engine thread has died (the replica's health check reports it)."""
+        return self._thread.is_alive()
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         loop, deltas = asyncio.get_running_loop(), asyncio.Queue()
         self._inbox.put(("add", request, loop, deltas))
@@ -303,10 +313,9 @@ class AsyncEngine:
                 continue
             try:
                 deltas = self.engine.step()
-            except Exception as e:  # fail the requests in flight, not the engine
+            except Exception as e:  # fail the requests in flight, keep the engine serving
                 log.exception("generation step failed")
-                for seq in list(self.engine.running):
-                    self.engine.abort(seq.request.request_id)
+                self.engine.reset()
                 for loop, q in self._streams.values():
                     loop.call_soon_threadsafe(q.put_nowait, RuntimeError(f"generation failed: {e}"))
                 self._streams.clear()

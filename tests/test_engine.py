@@ -190,3 +190,35 @@ def test_async_engine_bad_request_and_early_exit(model, tokenizer):
             break
         asyncio.run(asyncio.sleep(0.05))
     assert not engine.engine.has_work()
+
+
+def test_identical_requests_batch_together(model, tokenizer):
+    # Equal prompts and equal embeddings: requests are told apart by identity, not value.
+    same = [make_request(tokenizer, "<image>\nFree OCR.", [273], 8 + i % 3, seed=1) for i in range(5)]
+    results = GenerationEngine(model, tokenizer, max_batch=3, max_len=1024).generate(same)
+    assert [r.completion_tokens for r in results] == [8, 9, 10, 8, 9]
+    assert results[0].token_ids == results[3].token_ids[:8]
+
+
+def test_async_engine_survives_a_failed_step(model, tokenizer, monkeypatch):
+    engine = AsyncEngine(GenerationEngine(model, tokenizer, max_batch=2, max_len=256))
+    real_step, calls = engine.engine.step, []
+
+    def failing_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real_step()
+
+    monkeypatch.setattr(engine.engine, "step", failing_once)
+
+    async def run():
+        out = []
+        async for delta in engine.generate(make_request(tokenizer, "hi", (), 3)):
+            out.append(delta)
+        return out
+
+    with pytest.raises(RuntimeError, match="generation failed: boom"):
+        asyncio.run(run())
+    assert engine.alive and not engine.engine.has_work()
+    assert sum(d.completion_tokens == 3 for d in asyncio.run(run())) == 1
