@@ -1,0 +1,144 @@
+"""The Serve application on a real (session-scoped) Ray cluster, CPU, tiny random model."""
+import base64
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+ray = pytest.importorskip("ray")
+requests = pytest.importorskip("requests")
+from ray import serve  # noqa: E402
+
+from decoder import GenerationEngine, GenerationRequest, SamplingParams, build_prompt, load_decoder  # noqa: E402
+from decoder.tokenizer import ByteTokenizer  # noqa: E402
+from deployments.model_source import resolve_checkpoint  # noqa: E402
+from encoder import load_encoder  # noqa: E402
+
+PORT = 8123
+URL = f"http://127.0.0.1:{PORT}"
+APP = "ocr-test"
+# untiled photo, A4 page at 144 dpi (2x3), 1x6 strip, an image <= 640 (never tiled)
+CASES = [((448, 448), 273), ((1191, 1684), 903), ((640, 3840), 933), ((500, 300), 273)]
+
+
+def picture(size, seed):
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randint(0, 256, (size[1] // 16 + 1, size[0] // 16 + 1, 3), dtype=torch.uint8, generator=gen)
+    return Image.fromarray(noise.numpy()).resize(size, Image.BILINEAR)
+
+
+def png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def handle():
+    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True)
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    from deployments.app import build
+    app = build({"max_len": "2048", "max_images": "8"})
+    yield serve.run(app, name=APP, route_prefix="/")
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_models():
+    directory, _ = resolve_checkpoint(None)
+    return load_encoder(directory), load_decoder(directory)
+
+
+@pytest.mark.parametrize("size, tokens", CASES)
+def test_assembled_sequences_equal_encode_images(handle, local_models, size, tokens):
+    image = picture(size, sum(size))
+    (seq,) = handle.encode.remote(image).result(timeout_s=300)
+    (expected,) = local_models[0].encode_images([image])
+    assert seq.shape == (tokens, local_models[0].args.n_embed)
+    assert seq.dtype == expected.dtype and seq.device == expected.device
+    assert torch.equal(seq, expected)  # the same shapes run, alone: bit for bit
+
+
+def test_generated_text_equals_in_process_decoder(handle, local_models):
+    image, prompt = picture((1191, 1684), 7), "<image>\nFree OCR."
+    result = handle.ocr.remote(image, prompt=prompt, max_tokens=12).result(timeout_s=300)
+    encoder, lm = local_models
+    (seq,) = encoder.encode_images([image])
+    tokenizer = ByteTokenizer()
+    ids = build_prompt(tokenizer, prompt, [seq.shape[0]])
+    (expected,) = GenerationEngine(lm, tokenizer, max_len=2048).generate(
+        [GenerationRequest(ids, [seq], SamplingParams(max_tokens=12))])
+    assert result["text"] == expected.text
+    assert result["usage"] == {"prompt_tokens": len(ids), "image_tokens": 903,
+                               "completion_tokens": expected.completion_tokens}
+    assert "RANDOM" in result["model"]
+
+
+def test_streaming_matches_ocr(handle):
+    image = picture((900, 700), 8)
+    full = handle.ocr.remote(image, max_tokens=6).result(timeout_s=300)
+    deltas = list(handle.options(stream=True).ocr_stream.remote(image, max_tokens=6))
+    assert "".join(d["text"] for d in deltas) == full["text"]
+    assert deltas[-1]["finished"] and deltas[-1]["completion_tokens"] == 6
+
+
+def test_concurrent_requests_batch_in_the_encoders(handle):
+    sizes = [s for s, _ in CASES] * 4  # 16 requests, mixed tiled and untiled
+    responses = [handle.ocr.remote(picture(size, i), max_tokens=4) for i, size in enumerate(sizes)]
+    results = [r.result(timeout_s=600) for r in responses]
+    assert all(r["usage"]["completion_tokens"] == 4 for r in results)
+    stats = [serve.get_deployment_handle(name, APP).stats.remote().result()
+             for name in ("GlobalEncoder", "LocalEncoder")]
+    assert max(max(s["requests_per_batch"]) for s in stats) > 1, stats
+
+
+@pytest.mark.parametrize("body, message", [
+    ({}, "no image"),
+    ({"image": base64.b64encode(b"\x89PNG\r\n\x1a\n garbage").decode()}, "cannot decode"),
+    ({"image": "***"}, "base64"),
+    ({"image": "IMAGE", "prompt": "Free OCR."}, "<image> tag"),
+    ({"image": "IMAGE", "mode": "huge"}, "mode must be one of"),
+    ({"image": "IMAGE", "max_tokens": 0}, "max_tokens"),
+], ids=["no-image", "corrupt-image", "not-base64", "prompt-without-tag", "wrong-mode", "bad-max-tokens"])
+def test_bad_http_requests_get_400_and_replicas_stay_up(handle, body, message):
+    if body.get("image") == "IMAGE":
+        body["image"] = base64.b64encode(png(picture((64, 64), 1))).decode()
+    response = requests.post(f"{URL}/v1/ocr", json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]["message"]
+    assert requests.get(f"{URL}/health", timeout=30).json()["status"] == "ok"
+
+
+def test_http_ocr_multipart_and_encode(handle):
+    data = png(picture((1400, 700), 9))
+    response = requests.post(f"{URL}/v1/ocr", files={"image": ("page.png", data, "image/png")},
+                             data={"max_tokens": "3", "prompt": "<image>\nFree OCR."}, timeout=300)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert set(body) >= {"text", "usage", "model", "timings"}
+    assert body["usage"]["image_tokens"] == 483 and body["usage"]["completion_tokens"] == 3
+    response = requests.post(f"{URL}/v1/encode", json={"image": base64.b64encode(data).decode()}, timeout=300)
+    (image,) = response.json()["images"]
+    embedding = torch.frombuffer(bytearray(base64.b64decode(image["embedding_base64"])), dtype=torch.float32)
+    assert image["num_tokens"] == 483 and embedding.numel() == 483 * image["dim"]
+
+
+def test_handle_errors_name_the_problem(handle):
+    with pytest.raises(Exception, match="mode must be one of"):
+        handle.encode.remote(picture((64, 64), 1), mode="huge").result(timeout_s=60)
+    with pytest.raises(Exception, match="cannot decode image"):
+        handle.ocr.remote(b"not an image").result(timeout_s=60)
+
+
+def test_encode_only_app(handle):
+    from deployments.app import build
+    encode_only = serve.run(build({"encode_only": "true"}), name="encode-only", route_prefix="/enc")
+    try:
+        (seq,) = encode_only.encode.remote(picture((1400, 700), 3)).result(timeout_s=300)
+        assert seq.shape[0] == 483
+        with pytest.raises(Exception, match="encode-only"):
+            encode_only.ocr.remote(picture((64, 64), 1)).result(timeout_s=60)
+    finally:
+        serve.delete("encode-only")
