@@ -1,0 +1,124 @@
+"""The Serve encoder path against the in-process engine, on GPUs, for two placements.
+
+    python bench/serve_bench.py [--out bench/results]        # needs ray[serve] and >= 1 GPU
+
+Real vision dims, random weights (written once as a released-layout checkpoint), graphs on.
+In-process: `DualPathEncoder.encode` of one 1191x1684 page (p50 latency, pixels from CPU) and of
+64 pages (batched as the planner cuts them). Through Serve (encode-only app: Router ->
+GlobalEncoder + LocalEncoder, no decoder): p50 of `handle.encode.remote(page)` one at a time, and
+pages/s with 64 requests in flight. Placements: "separate" (each encoder on its own GPU; needs 2)
+and "shared" (both encoders on one GPU at num_gpus 0.5 with memory caps). Writes
+serve-<date>.json whose summary holds the worst ratio over the placements run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.common import write_result  # noqa: E402
+from bench.graph_bench import SIZES, image  # noqa: E402
+from encoder import EncoderArgs, load_encoder, preprocess, write_random_checkpoint  # noqa: E402
+from encoder.graphs import DualPathEncoder  # noqa: E402
+
+PAGES = 64
+TARGETS = {"latency_ratio_p50": 1.25, "throughput_ratio_c64": 0.85}
+
+
+def p50_ms(fn, iters: int = 30, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def in_process(checkpoint: str, page) -> dict:
+    encoder = load_encoder(checkpoint, device="cuda", dtype=torch.bfloat16)
+    engine = DualPathEncoder(encoder, max_items=32)
+    item = preprocess(page)
+
+    def one():
+        engine.encode([item])
+        torch.cuda.synchronize()
+
+    pages = [item] * PAGES  # preprocessed once: the in-process side times encoding alone
+
+    def many():
+        engine.encode(pages)
+        torch.cuda.synchronize()
+
+    many()
+    start = time.perf_counter()
+    many()
+    seconds = time.perf_counter() - start
+    return {"p50_ms": p50_ms(one), "pages_per_s_c64": PAGES / seconds}
+
+
+def through_serve(checkpoint: str, page, placement: str) -> dict:
+    """The encode-only app with this placement (what a Serve config's ray_actor_options set)."""
+    from ray import serve
+
+    from deployments.encoders import PathEncoder
+    from deployments.router import Router
+    gpus = {"separate": (1.0, 1.0), "shared": (0.5, 0.5)}[placement]
+    memory = {"separate": (None, None), "shared": (0.3, 0.6)}[placement]
+    encoders = [PathEncoder.options(name=f"{path.capitalize()}Encoder",
+                                    ray_actor_options={"num_cpus": 2, "num_gpus": g})
+                .bind(path, checkpoint, 32, None, fraction, None)
+                for path, g, fraction in zip(("global", "local"), gpus, memory)]
+    router = Router.options(ray_actor_options={"num_cpus": 4}).bind(*encoders, None, checkpoint)
+    handle = serve.run(router, name=f"bench-{placement}", route_prefix=f"/{placement}")
+    latency = p50_ms(lambda: handle.encode.remote(page).result())
+    [r.result() for r in [handle.encode.remote(page) for _ in range(PAGES)]]  # warm-up
+    start = time.perf_counter()
+    [r.result() for r in [handle.encode.remote(page) for _ in range(PAGES)]]
+    seconds = time.perf_counter() - start
+    serve.delete(f"bench-{placement}")
+    return {"p50_ms": latency, "pages_per_s_c64": PAGES / seconds}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    opts = parser.parse_args(argv)
+    import ray
+    n_gpus = torch.cuda.device_count()
+    checkpoint = write_random_checkpoint(tempfile.mkdtemp(), EncoderArgs())
+    page = image(SIZES["page-1191x1684"], 2)
+    baseline = in_process(checkpoint, page)
+    torch.cuda.empty_cache()  # the in-process graphs are gone; return their memory
+    print("in-process", baseline, flush=True)
+    ray.init(num_gpus=n_gpus, include_dashboard=False)
+    placements = {}
+    for placement in (["separate"] if n_gpus >= 2 else []) + ["shared"]:
+        row = through_serve(checkpoint, page, placement)
+        row["latency_ratio_p50"] = row["p50_ms"] / baseline["p50_ms"]
+        row["throughput_ratio_c64"] = row["pages_per_s_c64"] / baseline["pages_per_s_c64"]
+        placements[placement] = row
+        print(placement, row, flush=True)
+    summary = {
+        "latency_ratio_p50": max(r["latency_ratio_p50"] for r in placements.values()),
+        "throughput_ratio_c64": min(r["throughput_ratio_c64"] for r in placements.values()),
+        "placements_run": sorted(placements), "targets": TARGETS}
+    summary["met"] = {
+        "latency_ratio_p50": summary["latency_ratio_p50"] <= TARGETS["latency_ratio_p50"],
+        "throughput_ratio_c64": summary["throughput_ratio_c64"] >= TARGETS["throughput_ratio_c64"]}
+    write_result(opts.out, "serve", {
+        "benchmark": "Serve encode path vs in-process", "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name(), "gpus": n_gpus, "torch": torch.__version__,
+        "in_process": baseline, "placements": placements, "summary": summary})
+
+
+if __name__ == "__main__":
+    main()
