@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from encoder.checkpoint import (check_state_dict, random_state_dict, read_tensors,
+from encoder.checkpoint import (build_module, check_state_dict, random_state_dict, read_tensors,
                                 write_random_checkpoint)
 from encoder.config import EncoderArgs, read_config
 
@@ -72,11 +72,7 @@ def load_decoder(path: str | os.PathLike, device="cpu", dtype=torch.float32) -> 
 
 
 def build_decoder(args: DecoderArgs, tensors: dict[str, torch.Tensor], device, dtype) -> Decoder:
-    with torch.device("meta"):
-        model = Decoder(args)
-    state = {k: v.to(device=device, dtype=dtype) for k, v in pack_experts(tensors, args).items()}
-    model.load_state_dict(state, strict=True, assign=True)
-    return model.eval().requires_grad_(False)
+    return build_module(lambda: Decoder(args), pack_experts(tensors, args), device, dtype)
 
 
 def random_decoder(args: DecoderArgs, device="cpu", dtype=torch.float32, seed: int = 0) -> Decoder:

@@ -109,10 +109,16 @@ def random_encoder(args: EncoderArgs, device="cpu", dtype=torch.float32, seed: i
 
 
 def _build(args: EncoderArgs, tensors: dict[str, torch.Tensor], device, dtype) -> DeepEncoder:
+    state = {k.removeprefix("model."): v for k, v in tensors.items()}
+    return build_module(lambda: DeepEncoder(args), state, device, dtype)
+
+
+def build_module(make, state: dict[str, torch.Tensor], device, dtype):
+    """`make()` on the meta device (no init cost), then the given weights, strictly, in eval mode."""
     with torch.device("meta"):
-        model = DeepEncoder(args)
-    state = {k.removeprefix("model."): v.to(device=device, dtype=dtype) for k, v in tensors.items()}
-    model.load_state_dict(state, strict=True, assign=True)
+        model = make()
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()},
+                          strict=True, assign=True)
     return model.eval().requires_grad_(False)
 
 
