@@ -108,3 +108,31 @@ def test_language_config_missing_field(tmp_path):
     json.dump(config, open(os.path.join(path, "config.json"), "w"))
     with pytest.raises(ValueError, match="hidden_size"):
         load_decoder(path)
+
+
+@pytest.mark.gpu
+def test_real_dims_bf16_cuda():
+    """Hopper grouped-GEMM experts against the per-expert loop, and bf16 against fp32 logits."""
+    import decoder.model as dm
+    from decoder.checkpoint import random_decoder
+    args = DecoderArgs()
+    bf16 = random_decoder(args, device="cuda", dtype=torch.bfloat16)
+    moe = bf16.model.layers[1].mlp
+    x = torch.randn(300, args.hidden, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        weights, experts = moe.gate(x)
+        grouped = moe.experts(x, weights, experts)
+        grouped_mm = dm.grouped_mm
+        dm.grouped_mm = lambda x, w, counts: torch.cat(
+            [p @ w[g].t() for g, p in enumerate(x.split(counts.tolist()))])
+        try:
+            looped = moe.experts(x, weights, experts)
+        finally:
+            dm.grouped_mm = grouped_mm
+    torch.testing.assert_close(grouped, looped, rtol=0.016, atol=0.016)
+    fp32 = random_decoder(args, device="cuda", dtype=torch.float32)
+    ids = torch.randint(0, args.vocab_size, (2, 64), device="cuda")
+    with torch.inference_mode():
+        err = rel_err(bf16(input_ids=ids), fp32(input_ids=ids))
+    print(f"decoder bf16 vs fp32 logits: {err:.2e}")
+    assert err <= 3e-2
