@@ -1,5 +1,14 @@
+import os
+
 import pytest
 import torch
+from hypothesis import settings
+
+# CI draws the same examples every run (a red build must be reproducible); locally they vary,
+# so property tests keep exploring.
+settings.register_profile("ci", derandomize=True, deadline=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 from encoder import EncoderArgs, load_encoder, write_random_checkpoint
 

@@ -289,17 +289,21 @@ def test_holdback(text, stops, held):
 @given(text=st.text(alphabet="ab<>", max_size=30), cuts=st.lists(st.integers(0, 30)),
        stops=st.lists(st.text(alphabet="ab<>", min_size=1, max_size=4), min_size=1, max_size=3))
 def test_streamed_stop_search_finds_the_first_stop(text, cuts, stops):
-    """Searching each prefix only for what is new finds what one search of the whole would."""
-    expected = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
-    found, searched = None, 0
-    for end in sorted({*cuts, len(text)}):
-        if end > len(text):
+    """Searching each new delta only where a stop could now end finds what a full search of
+    each prefix (in stream order) finds first, and nothing past that stop's start was sent."""
+    ends = sorted({*(c for c in cuts if c <= len(text)), len(text)})
+    expected = None  # the first prefix that holds a stop, searched whole
+    for end in ends:
+        hits = [i for i in (text[:end].find(s) for s in stops) if i >= 0]
+        if hits:
+            expected = min(hits)
             break
+    found, searched, sent = None, 0, 0
+    for end in ends:
         found = find_stop(text[:end], stops, searched)
         if found is not None:
             break
         searched = end
-        # What streaming may send now never contains the start of a stop string.
-        sendable = text[:end][:end - holdback(text[:end], stops)]
-        assert expected is None or len(sendable) <= expected
+        sent = end - holdback(text[:end], stops)  # what streaming may send so far
     assert found == expected
+    assert found is None or sent <= found
