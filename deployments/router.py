@@ -126,7 +126,7 @@ class Router:
         start = time.perf_counter()
         result = await self.decoder.generate.remote(ids, embeds, options)
         timings["decode_ms"] = (time.perf_counter() - start) * 1e3
-        return self._response(result["text"], result, seqs, timings)
+        return self._response(result, seqs, timings)
 
     async def ocr_stream(self, image, prompt: str | None = None, **options) -> AsyncIterator[dict]:
         """Like ocr, but yields text deltas as they are generated (handle.options(stream=True))."""
@@ -163,9 +163,9 @@ class Router:
         ids = build_prompt(self.tokenizer, options["prompt"], [s.shape[0] for s in seqs])
         return ids, [to_wire(s) for s in seqs]
 
-    def _response(self, text: str, result: dict, seqs, timings: dict) -> dict:
+    def _response(self, result: dict, seqs, timings: dict) -> dict:
         image_tokens = sum(s.shape[0] for s in seqs)
-        return {"text": text, "finish_reason": result["finish_reason"], "model": self.model_label,
+        return {"text": result["text"], "finish_reason": result["finish_reason"], "model": self.model_label,
                 "usage": {"prompt_tokens": result["prompt_tokens"], "image_tokens": image_tokens,
                           "completion_tokens": result["completion_tokens"]},
                 "timings": timings}
