@@ -1,11 +1,29 @@
 """Timing and result-writing helpers shared by the benchmark scripts (CUDA only)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 
 import torch
+
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+def options(argv=None, iters: int | None = None, **extra) -> argparse.Namespace:
+    """--out (default bench/results), --iters when given a default, and `extra` int options
+    (--name default); refuses to run without CUDA."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=RESULTS)
+    if iters is not None:
+        parser.add_argument("--iters", type=int, default=iters)
+    for name, default in extra.items():
+        parser.add_argument(f"--{name}", type=int, default=default)
+    opts = parser.parse_args(argv)
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    return opts
 
 
 def time_ms(fn, iters: int, warmup: int = 3) -> float:

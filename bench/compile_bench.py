@@ -10,7 +10,6 @@ Writes compile-<date>.json.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -20,7 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import rel_err, write_result  # noqa: E402
+from bench.common import options, rel_err, write_result  # noqa: E402
 from bench.graph_bench import SIZES, image, on_gpu, wall_ms  # noqa: E402
 from encoder import EncoderArgs, preprocess  # noqa: E402
 from encoder.checkpoint import random_encoder  # noqa: E402
@@ -29,10 +28,7 @@ from scheduler import PathBudgets  # noqa: E402
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--pages", type=int, default=32)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    opts = parser.parse_args(argv)
+    opts = options(argv, pages=32)
     encoder = random_encoder(EncoderArgs(), device="cuda", dtype=torch.bfloat16)
     budgets = (PathBudgets.explicit("global", 272, [272 * opts.pages]),
                PathBudgets.explicit("local", 100, [600 * opts.pages]))

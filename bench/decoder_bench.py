@@ -10,7 +10,6 @@ prompt, and peak memory. Writes decoder-<date>.json with a top-level `summary`.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import sys
@@ -19,7 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import time_ms, write_result  # noqa: E402
+from bench.common import options, time_ms, write_result  # noqa: E402
 from decoder.checkpoint import random_decoder  # noqa: E402
 from decoder.config import DecoderArgs  # noqa: E402
 from decoder.engine import GenerationEngine, GenerationRequest, SamplingParams  # noqa: E402
@@ -40,9 +39,7 @@ def request(args: DecoderArgs, seed: int) -> GenerationRequest:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    opts = parser.parse_args(argv)
+    opts = options(argv)
     args = DecoderArgs()
     model = random_decoder(args, device="cuda", dtype=torch.bfloat16)
     weights_gb = torch.cuda.memory_allocated() / 2 ** 30

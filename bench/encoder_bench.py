@@ -11,7 +11,6 @@ dense one is recorded next to its speed. Writes `encoder-<date>.json` with a top
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import sys
@@ -19,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import graph_replay_ms, rel_err, time_ms, write_result  # noqa: E402
+from bench.common import options, graph_replay_ms, rel_err, time_ms, write_result  # noqa: E402
 from encoder import EncoderArgs, preprocess  # noqa: E402
 from encoder.checkpoint import random_encoder  # noqa: E402
 from encoder.flops import view_flops  # noqa: E402
@@ -123,11 +122,7 @@ def bench_attention_block(iters: int) -> list[dict]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    parser.add_argument("--iters", type=int, default=20)
-    opts = parser.parse_args(argv)
-    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    opts = options(argv, iters=20)
 
     args = EncoderArgs()
     encoder = random_encoder(args, device="cuda", dtype=torch.bfloat16)

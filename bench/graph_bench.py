@@ -16,7 +16,6 @@ Writes `graphs-<date>.json` with a top-level `summary`.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import os
@@ -28,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import rel_err, write_result  # noqa: E402
+from bench.common import options, rel_err, write_result  # noqa: E402
 from encoder import EncoderArgs, preprocess  # noqa: E402
 from encoder.checkpoint import random_encoder  # noqa: E402
 from encoder.flops import view_flops  # noqa: E402
@@ -95,11 +94,7 @@ def padding_comparison(seed: int = 0, queues: int = 2000, max_items: int = 32, m
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    parser.add_argument("--iters", type=int, default=20)
-    opts = parser.parse_args(argv)
-    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    opts = options(argv, iters=20)
     args = EncoderArgs()
     encoder = random_encoder(args, device="cuda", dtype=torch.bfloat16)
     weights_gb = torch.cuda.memory_allocated() / 2 ** 30

@@ -12,7 +12,6 @@ serve-<date>.json whose summary holds the worst ratio over the placements run.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import statistics
@@ -23,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import write_result  # noqa: E402
+from bench.common import options, write_result  # noqa: E402
 from bench.graph_bench import SIZES, image  # noqa: E402
 from encoder import EncoderArgs, load_encoder, preprocess, write_random_checkpoint  # noqa: E402
 from encoder.graphs import DualPathEncoder  # noqa: E402
@@ -89,9 +88,7 @@ def through_serve(checkpoint: str, page, placement: str) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    opts = parser.parse_args(argv)
+    opts = options(argv)
     import ray
     n_gpus = torch.cuda.device_count()
     checkpoint = write_random_checkpoint(tempfile.mkdtemp(), EncoderArgs())

@@ -9,7 +9,6 @@ config in a small grid, checks each against the dense-bias reference, and prints
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import itertools
 import json
@@ -19,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import rel_err, time_ms, write_result  # noqa: E402
+from bench.common import options, rel_err, time_ms, write_result  # noqa: E402
 from encoder.relpos_attention import dense_relpos_attention, rel_pos_terms  # noqa: E402
 from encoder.triton_relpos import _empty_output, launch  # noqa: E402
 
@@ -27,9 +26,7 @@ SHAPES = {"global-64x64": (8, 64, 127), "crop-global-40x40": (48, 40, 127), "win
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    opts = parser.parse_args(argv)
+    opts = options(argv)
     results, tuned = {}, {}
     for name, (bsz, side, rows) in SHAPES.items():
         gen = torch.Generator(device="cuda").manual_seed(side)
