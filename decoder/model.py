@@ -149,7 +149,10 @@ class Experts(nn.Module):
         n, k = experts.shape
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # (token, choice) pairs sorted by expert
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+        # Tokens per expert. scatter_add into a fixed-size buffer: bincount would size its
+        # output from the data and so wait on the GPU every layer.
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.long, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
         xs = x[order // k]
         gate, up = grouped_mm(xs, self.gate_up_proj, counts).chunk(2, dim=-1)
         ys = grouped_mm(F.silu(gate) * up, self.down_proj, counts)
