@@ -9,12 +9,13 @@ sequence (local grid + newlines, global, separator), build the prompt, and call 
 import asyncio
 import base64
 import binascii
+import json
 import time
 from collections.abc import AsyncIterator
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -130,13 +131,23 @@ class Router:
 
     async def ocr_stream(self, image, prompt: str | None = None, **options) -> AsyncIterator[dict]:
         """Like ocr, but yields text deltas as they are generated (handle.options(stream=True))."""
+        async for delta in await self._start_stream(image, prompt, options):
+            yield delta
+
+    async def _start_stream(self, image, prompt, options) -> AsyncIterator[dict]:
+        """Validate and encode now (errors surface before anything is streamed), then return
+        the decoder's delta stream."""
         self._need_decoder()
         images = image if isinstance(image, list) else [image]
         options = check_options({**options, "prompt": prompt}, len(images))
-        seqs, timings = await self._encode(images, options)
+        seqs, _ = await self._encode(images, options)
         ids, embeds = self._prompt(seqs, options)
-        async for delta in self.decoder.options(stream=True).generate_stream.remote(ids, embeds, options):
-            yield {**delta, "model": self.model_label}
+        stream = self.decoder.options(stream=True).generate_stream.remote(ids, embeds, options)
+
+        async def deltas():
+            async for delta in stream:
+                yield {**delta, "model": self.model_label}
+        return deltas()
 
     # -- internals ----------------------------------------------------------------------------
     async def _encode(self, images: list, options: dict):
@@ -200,7 +211,16 @@ class Router:
     @api.post("/v1/ocr")
     async def http_ocr(self, request: Request):
         async def work(images, options):
-            return await self.ocr(images, options.pop("prompt", None), **options)
+            prompt = options.pop("prompt", None)
+            if str(options.pop("stream", "")).lower() not in ("true", "1"):
+                return await self.ocr(images, prompt, **options)
+            deltas = await self._start_stream(images, prompt, options)
+
+            async def events():  # server-sent events: one JSON delta each, then [DONE]
+                async for delta in deltas:
+                    yield f"data: {json.dumps(delta)}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
         return await self._guard(request, work)
 
     @api.post("/v1/encode")

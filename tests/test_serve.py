@@ -1,6 +1,7 @@
 """The Serve application on a real (session-scoped) Ray cluster, CPU, tiny random model."""
 import base64
 import io
+import json
 
 import pytest
 import torch
@@ -82,6 +83,21 @@ def test_streaming_matches_ocr(handle):
     deltas = list(handle.options(stream=True).ocr_stream.remote(image, max_tokens=6))
     assert "".join(d["text"] for d in deltas) == full["text"]
     assert deltas[-1]["finished"] and deltas[-1]["completion_tokens"] == 6
+
+
+def test_http_streaming_server_sent_events(handle):
+    body = {"image": base64.b64encode(png(picture((900, 700), 8))).decode(), "max_tokens": 6}
+    full = requests.post(f"{URL}/v1/ocr", json=body, timeout=300).json()
+    response = requests.post(f"{URL}/v1/ocr", json={**body, "stream": True}, timeout=300, stream=True)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [line.removeprefix("data: ") for line in response.iter_lines(decode_unicode=True) if line]
+    assert events[-1] == "[DONE]"
+    deltas = [json.loads(e) for e in events[:-1]]
+    assert "".join(d["text"] for d in deltas) == full["text"]
+    assert deltas[-1]["finished"] and deltas[-1]["completion_tokens"] == 6
+    bad = requests.post(f"{URL}/v1/ocr", json={**body, "stream": True, "mode": "huge"}, timeout=60)
+    assert bad.status_code == 400  # validation happens before the stream starts
 
 
 def test_concurrent_requests_batch_in_the_encoders(handle):
