@@ -43,10 +43,22 @@ class PathEncoder:
                                  max_graph_memory_gb)
         self.encode_batch.set_max_batch_size(budgets.max_units)
         self.request_batches: Counter = Counter()  # requests per executed batch
+        self.broken: str | None = None
 
     @serve.batch(max_batch_size=192, batch_wait_timeout_s=0.005, max_concurrent_batches=1,
                  batch_size_fn=_views)
     async def encode_batch(self, requests: list[Wire]) -> list[Wire]:
+        return self._run_batch(requests)
+
+    def _run_batch(self, requests: list[Wire]) -> list[Wire]:
+        try:
+            return self._encode_batch(requests)
+        except RuntimeError as e:
+            if "CUDA" in str(e):  # a CUDA fault poisons the context: let Serve replace us
+                self.broken = f"{type(e).__name__}: {e}"
+            raise
+
+    def _encode_batch(self, requests: list[Wire]) -> list[Wire]:
         self.request_batches[len(requests)] += 1
         pixels = [from_wire(r) for r in requests]
         out = [None] * len(requests)
@@ -66,6 +78,10 @@ class PathEncoder:
     async def encode(self, pixels: Wire) -> Wire:
         """uint8 views [n, 3, S, S] of one image -> its tokens [n, T, D]."""
         return await self.encode_batch(pixels)
+
+    def check_health(self):
+        if self.broken:
+            raise RuntimeError(f"{self.runner.name} encoder unusable after {self.broken}")
 
     def stats(self) -> dict:
         return {"path": self.runner.name, "model": self.model_label,

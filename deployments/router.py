@@ -17,6 +17,8 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from decoder import DEFAULT_PROMPT, build_prompt, load_tokenizer
@@ -89,6 +91,22 @@ def _decode_base64(value) -> bytes:
         raise BadRequest("image is not valid base64") from None
 
 
+# A replica that dies mid-call (node loss, a CUDA fault that fails its health check) is
+# replaced by Serve; encoding is idempotent, so the call is retried instead of failing the user.
+RETRYABLE = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
+
+
+async def call_with_retry(method, *args, attempts: int = 3, backoff_s: float = 0.5):
+    """`await method.remote(*args)`, retried on replica loss with a growing pause."""
+    for attempt in range(attempts):
+        try:
+            return await method.remote(*args)
+        except RETRYABLE:
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(backoff_s * (attempt + 1))
+
+
 def _error(status: int, kind: str, message: str) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"type": kind, "message": message}})
 
@@ -157,8 +175,10 @@ class Router:
         timings = {"preprocess_ms": (time.perf_counter() - start) * 1e3}
         start = time.perf_counter()
         # All global and local calls in flight at once; each encoder batches across requests.
-        calls = [self.global_encoder.encode.remote(to_wire(item.global_view[None])) for item in items]
-        calls += [self.local_encoder.encode.remote(to_wire(item.crops)) for item in items if item.tiled]
+        calls = [call_with_retry(self.global_encoder.encode, to_wire(item.global_view[None]))
+                 for item in items]
+        calls += [call_with_retry(self.local_encoder.encode, to_wire(item.crops))
+                  for item in items if item.tiled]
         results = [from_wire(r) for r in await asyncio.gather(*calls)]
         timings["encode_ms"] = (time.perf_counter() - start) * 1e3
         local = iter(results[len(items):])
