@@ -84,10 +84,16 @@ class _Sequence:
 
 
 class GenerationEngine:
-    def __init__(self, model: Decoder, tokenizer, max_batch: int = 64, max_len: int | None = None):
+    def __init__(self, model: Decoder, tokenizer, max_batch: int = 64, max_len: int | None = None,
+                 decode_graphs: bool = False):
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         self.max_len = max_len or model.args.max_positions
         self.cache = KVCache(model.args, max_batch, self.max_len, model.device, model.dtype)
+        # CUDA graphs of the decode step (decoder/decode_graphs.py), captured by the first step
+        # (on the thread that steps the engine, before any prefill); off by default until
+        # measured on the GPU.
+        self.use_decode_graphs = decode_graphs
+        self.decode_graphs = None
         self.waiting: deque[GenerationRequest] = deque()
         self.running: list[_Sequence] = []
         self._ids = itertools.count()
@@ -135,6 +141,11 @@ class GenerationEngine:
     # -- one iteration ----------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Delta]:
+        if self.use_decode_graphs and self.decode_graphs is None:
+            # Capture before any request holds a slot: warm-up and capture write into the cache.
+            assert not self.running, "decode graphs are captured before the first prefill"
+            from .decode_graphs import DecodeGraphs
+            self.decode_graphs = DecodeGraphs(self.model, self.cache, self.max_batch, self.max_len)
         deltas = []
         while self.waiting and len(self.running) < self.max_batch:
             seq, logits = self._prefill(self.waiting.popleft())
@@ -166,6 +177,12 @@ class GenerationEngine:
     def _decode(self, active: list[_Sequence]) -> torch.Tensor:
         # Active sequences are exactly the running ones, in slot order 0..S-1.
         assert [s.slot for s in active] == list(range(len(active))), "slots must stay compact"
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.run([s.pending for s in active], [s.length for s in active])
+            for s in active:
+                s.length += 1
+                s.pending = None
+            return logits
         device = self.model.device
         tokens = torch.tensor([[s.pending] for s in active], device=device)
         positions = torch.tensor([s.length for s in active], device=device)

@@ -1,0 +1,76 @@
+"""CUDA graphs of the decode step: one per (batch bucket, context bucket), replayed each step.
+
+At one to a few dozen sequences a decode step is hundreds of small kernels, so Python launch
+overhead, not the GPU, sets the pace. Each graph runs the same `Decoder.forward` as the eager
+step on static buffers (newest token and position of each running sequence) and attends over a
+fixed cache length; a step replays the smallest graph holding its sequences and its longest
+context. Rows past the running sequences feed token 0 at position 0 into free slots (slots stay
+compact, so slots >= S are free, and a new sequence's prefill overwrites them).
+Captured lazily on the thread that steps the engine (AsyncEngine's), by the first step.
+bf16 on CUDA only: the MoE's grouped GEMM has no host sync there (the fp32 fallback does).
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import time
+
+import torch
+
+from .model import CacheStep, Decoder, KVCache
+
+log = logging.getLogger(__name__)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+CONTEXT_BUCKETS = (512, 1024, 2048, 4096, 8192)
+
+
+def buckets(candidates, limit: int) -> list[int]:
+    return sorted({c for c in candidates if c < limit} | {limit})
+
+
+class DecodeGraphs:
+    def __init__(self, model: Decoder, cache: KVCache, max_batch: int, max_len: int):
+        if not (model.device.type == "cuda" and model.dtype == torch.bfloat16):
+            raise ValueError("decode graphs need a bf16 model on CUDA")
+        self.model, self.cache = model, cache
+        self.batches = buckets(BATCH_BUCKETS, max_batch)
+        self.contexts = buckets(CONTEXT_BUCKETS, max_len)
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for key in sorted(itertools.product(self.batches, self.contexts), reverse=True):
+            self.graphs[key] = self._capture(*key, pool)  # largest first: the rest reuse its pool
+        log.info("decode graphs: %d captured in %.1f s", len(self.graphs), time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def _capture(self, batch: int, context: int, pool):
+        tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.model.device)
+        positions = torch.zeros(batch, dtype=torch.long, device=self.model.device)
+
+        def step():
+            return self.model(input_ids=tokens, positions=positions[:, None],
+                              step=CacheStep(self.cache, positions=positions, kv_len=context))[:, -1]
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = step()
+        return graph, tokens, positions, logits
+
+    def run(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Logits [S, vocab] for S running sequences (a fresh tensor, safe across replays)."""
+        n = len(tokens)
+        batch = self.batches[bisect.bisect_left(self.batches, n)]
+        context = self.contexts[bisect.bisect_left(self.contexts, max(positions) + 1)]
+        graph, static_tokens, static_positions, logits = self.graphs[(batch, context)]
+        static_tokens.zero_()
+        static_positions.zero_()
+        static_tokens[:n, 0] = torch.tensor(tokens, device=static_tokens.device)
+        static_positions[:n] = torch.tensor(positions, device=static_positions.device)
+        graph.replay()
+        return logits[:n].clone()  # clone: the next replay overwrites this buffer
