@@ -8,6 +8,8 @@ import statistics
 
 import torch
 
+from encoder.graphs import capture_graph
+
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -43,14 +45,7 @@ def time_ms(fn, iters: int, warmup: int = 3) -> float:
 
 def graph_replay_ms(fn, iters: int) -> float:
     """The same work replayed from a CUDA graph: GPU time without Python launch overhead."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _ = capture_graph(fn)
     ms = time_ms(graph.replay, iters)
     del graph
     torch.cuda.empty_cache()

@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from encoder.graphs import capture_graph
+
 from .model import CacheStep, Decoder, KVCache
 
 log = logging.getLogger(__name__)
@@ -52,14 +54,7 @@ class DecodeGraphs:
             return self.model(input_ids=tokens, positions=positions[:, None],
                               step=CacheStep(self.cache, positions=positions, kv_len=context))[:, -1]
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            logits = step()
+        graph, logits = capture_graph(step, pool, device=self.model.device)
         return graph, tokens, positions, logits
 
     def run(self, tokens: list[int], positions: list[int]) -> torch.Tensor:

@@ -34,6 +34,21 @@ log = logging.getLogger(__name__)
 GB = 1024 ** 3
 
 
+def capture_graph(fn, pool=None, warmup: int = 1, device=None):
+    """Run `fn` `warmup` times on a side stream (handles, Triton compilation, allocator pool),
+    then capture it: (graph, fn's output, which every replay rewrites in place)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -98,15 +113,7 @@ class PathGraphs:
         gen = torch.Generator(device=self.device).manual_seed(capacity)
         pixels = torch.randint(0, 256, (capacity, *self.view_shape), dtype=torch.uint8,
                                device=self.device, generator=gen)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                self.forward(pixels)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = self.forward(pixels)
+        graph, out = capture_graph(lambda: self.forward(pixels), pool, warmup, self.device)
         return _Graph(graph, pixels, out, filled=capacity)
 
     # -- execution --------------------------------------------------------------------------

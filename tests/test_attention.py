@@ -134,14 +134,8 @@ def test_fused_paths_bf16_cuda(bsz, hw, rows):
 def test_triton_kernel_replays_in_a_cuda_graph():
     q, k, v, rph, rpw = inputs(2, (40, 40), 127, heads=12, device="cuda", dtype=torch.bfloat16)
     eager = relpos_attention(q, k, v, rph, rpw, (40, 40))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        relpos_attention(q, k, v, rph, rpw, (40, 40))  # warm-up on a side stream
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = relpos_attention(q, k, v, rph, rpw, (40, 40))
+    from encoder.graphs import capture_graph
+    graph, out = capture_graph(lambda: relpos_attention(q, k, v, rph, rpw, (40, 40)))
     graph.replay()
     assert torch.equal(out, eager)
 
