@@ -7,7 +7,7 @@ growth, unit-aligned). Measures:
   - batch-1 latency per image kind (224², 448², 896², 1024², 1191x1684 page) through
     `DualPathEncoder.encode` with graphs, with the same engine eager (fused attention), and eager
     with the dense rel-pos bias (DeepSeek's way): wall clock per call, host-to-device copy of the
-    uint8 pixels and assembly included;
+    uint8 pixels and assembly included; tiled images also with both paths on one stream;
   - pages/s and MFU for 2x3 pages at batch 8/16/32 with graphs (pixels staged on the GPU);
   - padding waste of the planner on a mixed workload: vLLM PR's 2x budgets + sorted-greedy vs
     our 1.5x unit-aligned budgets + DP (the scheduler alone, no GPU needed);
@@ -112,6 +112,10 @@ def main(argv=None):
         with torch.inference_mode():
             graph_out = graphs.encode([item])[0]
             row["graphs_ms"] = wall_ms(lambda: graphs.encode([item]), opts.iters)
+            if item.tiled:  # the same graphs with both paths on one stream: the overlap's effect
+                graphs.overlap_paths = False
+                row["graphs_one_stream_ms"] = wall_ms(lambda: graphs.encode([item]), opts.iters)
+                graphs.overlap_paths = True
             row["eager_ms"] = wall_ms(lambda: eager.encode([item]), opts.iters)
             eager_out = eager.encode([item])[0]
             encoder.set_attention("dense")

@@ -85,14 +85,18 @@ class _Sequence:
 
 class GenerationEngine:
     def __init__(self, model: Decoder, tokenizer, max_batch: int = 64, max_len: int | None = None,
-                 decode_graphs: bool = False):
+                 decode_graphs: bool | None = None):
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         self.max_len = max_len or model.args.max_positions
         self.cache = KVCache(model.args, max_batch, self.max_len, model.device, model.dtype)
-        # CUDA graphs of the decode step (decoder/decode_graphs.py), captured by the first step
-        # (on the thread that steps the engine, before any prefill); off by default until
-        # measured on the GPU.
-        self.use_decode_graphs = decode_graphs
+        # CUDA graphs of the decode step (decoder/decode_graphs.py), captured by `prepare()` (on
+        # the thread that steps the engine, before any prefill). Default: on for a bf16 model on
+        # CUDA, where they measured faster at every concurrency (bench/results/decoder-*.json).
+        graphable = model.device.type == "cuda" and model.dtype == torch.bfloat16
+        if decode_graphs and not graphable:
+            raise ValueError(f"decode graphs need a bf16 model on CUDA, got {model.dtype} on "
+                             f"{model.device}")
+        self.use_decode_graphs = graphable if decode_graphs is None else decode_graphs
         self.decode_graphs = None
         self.waiting: deque[GenerationRequest] = deque()
         self.running: list[_Sequence] = []
@@ -139,13 +143,17 @@ class GenerationEngine:
         return None
 
     # -- one iteration ----------------------------------------------------------------------
-    @torch.inference_mode()
-    def step(self) -> list[Delta]:
+    def prepare(self) -> None:
+        """Capture the decode graphs if they are on (the first `step` does it otherwise)."""
         if self.use_decode_graphs and self.decode_graphs is None:
             # Capture before any request holds a slot: warm-up and capture write into the cache.
             assert not self.running, "decode graphs are captured before the first prefill"
             from .decode_graphs import DecodeGraphs
             self.decode_graphs = DecodeGraphs(self.model, self.cache, self.max_batch, self.max_len)
+
+    @torch.inference_mode()
+    def step(self) -> list[Delta]:
+        self.prepare()
         deltas = []
         while self.waiting and len(self.running) < self.max_batch:
             seq, logits = self._prefill(self.waiting.popleft())
@@ -274,8 +282,16 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
+        self._prepared = threading.Event()
+        self._prepare_error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="generation-engine", daemon=True)
         self._thread.start()
+        # Graph capture happens on the engine thread; wait for it, so a replica is ready (and
+        # its first request is not held up) only once the graphs exist.
+        self._prepared.wait()
+        if self._prepare_error is not None:
+            raise RuntimeError(f"generation engine failed to start: {self._prepare_error}") \
+                from self._prepare_error
 
     @property
     def alive(self) -> bool:
@@ -322,6 +338,13 @@ class AsyncEngine:
                 self._streams.pop(payload, None)
 
     def _loop(self) -> None:
+        try:
+            self.engine.prepare()
+        except BaseException as e:  # noqa: BLE001 - reported to __init__, which raises it
+            self._prepare_error = e
+            return
+        finally:
+            self._prepared.set()
         while True:
             self._drain_inbox()
             if not self.engine.has_work():

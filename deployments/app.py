@@ -6,8 +6,8 @@
 
 Builder arguments (all optional): checkpoint, encode_only (no decoder: /v1/encode and
 `encode` only), max_images (graph budgets / batch limit of the
-encoders), max_batch and max_len (decoder), use_graphs, gpu_memory_fraction_{global,local,decoder}
-and max_graph_memory_gb. Replica counts, GPUs and autoscaling belong in the Serve config YAML;
+encoders), max_batch and max_len (decoder), use_graphs (encoder and decode-step CUDA graphs; default
+on a GPU), gpu_memory_fraction_{global,local,decoder} and max_graph_memory_gb. Replica counts, GPUs and autoscaling belong in the Serve config YAML;
 the decorators ask for a quarter CPU each (a code default that lets the four replicas of the tiny
 CPU app fit on a 2-core machine).
 """
@@ -49,7 +49,7 @@ def build(args: dict | None = None) -> Application:
         return Router.bind(*encoders, None, checkpoint)
     decoder = DecoderServer.options(name="Decoder").bind(
         checkpoint, _arg(args, "max_batch", int, 64), _arg(args, "max_len", int),
-        _arg(args, "gpu_memory_fraction_decoder", float))
+        _arg(args, "gpu_memory_fraction_decoder", float), _arg(args, "use_graphs", bool))
     return Router.bind(*encoders, decoder, checkpoint)
 
 

@@ -28,13 +28,15 @@ def sampling_params(options: dict) -> SamplingParams:
 @serve.deployment(max_ongoing_requests=128, ray_actor_options={"num_cpus": 0.25})
 class DecoderServer:
     def __init__(self, checkpoint: str | None = None, max_batch: int = 64, max_len: int | None = None,
-                 gpu_memory_fraction: float | None = None):
+                 gpu_memory_fraction: float | None = None, use_graphs: bool | None = None):
         cap_gpu_memory(gpu_memory_fraction)
         device, dtype = device_and_dtype()
         directory, self.model_label = resolve_checkpoint(checkpoint)
         model = load_decoder(directory, device=device, dtype=dtype)
         tokenizer = load_tokenizer(directory if checkpoint else None)
-        self.engine = AsyncEngine(GenerationEngine(model, tokenizer, max_batch, max_len))
+        # use_graphs None: decode-step CUDA graphs on a GPU, eager on CPU.
+        self.engine = AsyncEngine(GenerationEngine(model, tokenizer, max_batch, max_len,
+                                                   decode_graphs=use_graphs))
 
     def check_health(self):
         if not self.engine.alive:

@@ -14,8 +14,9 @@ The story, top to bottom:
    zero rows left over from a bigger earlier batch, replay, and CLONE the real output rows
    (the next replay overwrites the graph's output); otherwise run the same forward eagerly.
 3. `DualPathEncoder` is the in-process engine: the scheduler plans batches across both paths,
-   each path replays (or falls back) on its own, and images are assembled and returned in
-   queue order. On CPU the same API runs every batch eagerly.
+   each path replays (or falls back) on its own (on CUDA the two paths of a batch run on two
+   streams at once), and images are assembled and returned in queue order. On CPU the same API
+   runs every batch eagerly.
 """
 from __future__ import annotations
 
@@ -147,8 +148,8 @@ class DualPathEncoder:
     def __init__(self, encoder: DeepEncoder, budgets: tuple[PathBudgets, PathBudgets] | None = None,
                  max_items: int = 32, use_graphs: bool | None = None,
                  max_graph_memory_gb: float | None = None, strategy: str = "dp",
-                 compile: bool = False):
-        self.encoder = encoder
+                 compile: bool = False, overlap_paths: bool = True):
+        self.encoder, self.overlap_paths = encoder, overlap_paths
         global_budgets, local_budgets = budgets or default_budgets(max_images=max_items)
         forward_global, forward_local = encoder.forward_global, encoder.forward_local
         if compile:  # a static compile for the first batch size, one dynamic one after that
@@ -160,6 +161,7 @@ class DualPathEncoder:
         self.local_path = PathGraphs("local", forward_local, local_budgets, (3, 640, 640),
                                      encoder.device, use_graphs, left)
         self.planner = Planner(global_budgets, local_budgets, max_items, strategy)
+        self._side = None  # the global path's CUDA stream when both paths run (_run_both)
 
     @property
     def graph_memory_bytes(self) -> int:
@@ -192,14 +194,37 @@ class DualPathEncoder:
         per_batch = []
         for batch in plan.batches:
             chosen = [items[i] for i in batch.indices]
-            global_tokens = self.global_path.run(torch.stack([it.global_view for it in chosen]),
-                                                 batch.global_path)
+            global_views = torch.stack([it.global_view for it in chosen])
             crop_tokens = iter(())
-            if not batch.local_path.skipped:
+            if batch.local_path.skipped:
+                global_tokens = self.global_path.run(global_views, batch.global_path)
+            else:
                 crops = torch.cat([it.crops for it in chosen if it.tiled])
-                crop_tokens = iter(self.local_path.run(crops, batch.local_path)
-                                   .split([len(it.crops) for it in chosen if it.tiled]))
+                global_tokens, local_tokens = self._run_both(global_views, batch.global_path,
+                                                             crops, batch.local_path)
+                crop_tokens = iter(local_tokens.split([len(it.crops) for it in chosen if it.tiled]))
             per_batch.append([
                 self.encoder.assemble(g, next(crop_tokens) if it.tiled else None, it.grid)
                 for it, g in zip(chosen, global_tokens)])
         return plan.in_queue_order(per_batch)
+
+    def _run_both(self, global_views, global_plan, crops, local_plan):
+        """Both paths of one batch. On CUDA the global path runs on a side stream while the
+        local path runs on the current one: at small batches neither fills the GPU alone (a
+        batch-1 page is one 1024² view and six 640² crops), and each path has its own graph
+        pool and buffers, so the two replays can overlap."""
+        if self.encoder.device.type != "cuda" or not self.overlap_paths:
+            return (self.global_path.run(global_views, global_plan),
+                    self.local_path.run(crops, local_plan))
+        current = torch.cuda.current_stream(self.encoder.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.encoder.device)
+        self._side.wait_stream(current)  # inputs staged on the current stream come first
+        with torch.cuda.stream(self._side):
+            global_tokens = self.global_path.run(global_views, global_plan)
+        local_tokens = self.local_path.run(crops, local_plan)
+        current.wait_stream(self._side)
+        # Made on the side stream, used and freed on the current one: keep the allocator from
+        # handing its memory back to the side stream before the current stream is done with it.
+        global_tokens.record_stream(current)
+        return global_tokens, local_tokens

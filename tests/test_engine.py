@@ -251,3 +251,21 @@ def test_decode_graphs_match_eager_decoding():
     while engine.has_work():
         engine.step()
     assert not engine.running
+
+
+def test_decode_graphs_need_bf16_cuda(model, tokenizer):
+    with pytest.raises(ValueError, match="bf16 model on CUDA"):
+        GenerationEngine(model, tokenizer, max_batch=2, max_len=64, decode_graphs=True)
+    assert not GenerationEngine(model, tokenizer, max_batch=2, max_len=64).use_decode_graphs
+
+
+def test_async_engine_start_failure_is_raised(model, tokenizer, monkeypatch):
+    """A failed graph capture on the engine thread fails the constructor (the replica's
+    __init__), instead of leaving a replica that looks healthy but never answers."""
+    engine = GenerationEngine(model, tokenizer, max_batch=2, max_len=64)
+
+    def broken():
+        raise RuntimeError("capture failed")
+    monkeypatch.setattr(engine, "prepare", broken)
+    with pytest.raises(RuntimeError, match="failed to start: capture failed"):
+        AsyncEngine(engine)
