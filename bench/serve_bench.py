@@ -84,12 +84,13 @@ def through_serve(checkpoint: str, page, placement: str) -> dict:
     router = Router.options(ray_actor_options={"num_cpus": 4}).bind(*encoders, None, checkpoint)
     handle = serve.run(router, name=f"bench-{placement}", route_prefix=f"/{placement}")
     latency = p50_ms(lambda: handle.encode.remote(page).result())
+    stages = handle.timings.remote().result()  # where the router's time went, one at a time
     [r.result() for r in [handle.encode.remote(page) for _ in range(PAGES)]]  # warm-up
     start = time.perf_counter()
     [r.result() for r in [handle.encode.remote(page) for _ in range(PAGES)]]
     seconds = time.perf_counter() - start
     serve.delete(f"bench-{placement}")
-    return {"p50_ms": latency, "pages_per_s_c64": PAGES / seconds}
+    return {"p50_ms": latency, "pages_per_s_c64": PAGES / seconds, "router_stages_p50_ms": stages}
 
 
 def main(argv=None):

@@ -41,12 +41,13 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple] = {}
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(model.device)  # own cuBLAS workspace (encoder.graphs.capture_graph)
         for key in sorted(itertools.product(self.batches, self.contexts), reverse=True):
-            self.graphs[key] = self._capture(*key, pool)  # largest first: the rest reuse its pool
+            self.graphs[key] = self._capture(*key, pool, stream)  # largest first: the rest reuse its pool
         log.info("decode graphs: %d captured in %.1f s", len(self.graphs), time.perf_counter() - start)
 
     @torch.inference_mode()
-    def _capture(self, batch: int, context: int, pool):
+    def _capture(self, batch: int, context: int, pool, stream):
         tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.model.device)
         positions = torch.zeros(batch, dtype=torch.long, device=self.model.device)
 
@@ -54,7 +55,7 @@ class DecodeGraphs:
             return self.model(input_ids=tokens, positions=positions[:, None],
                               step=CacheStep(self.cache, positions=positions, kv_len=context))[:, -1]
 
-        graph, logits = capture_graph(step, pool, device=self.model.device)
+        graph, logits = capture_graph(step, pool, device=self.model.device, stream=stream)
         return graph, tokens, positions, logits
 
     def run(self, tokens: list[int], positions: list[int]) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """Greedy generation with continuous batching: requests join and leave at step boundaries.
 
 `GenerationEngine.step()` is one iteration:
-  1. admit waiting requests while slots are free: prefill each on its own (its prompt embeddings,
-     image embeddings merged at the placeholder positions) into its KV-cache slot; the last
-     logits give its first token;
+  1. admit waiting requests while slots are free: prefill them in right-padded batches of up to
+     `prefill_tokens` tokens (prompt embeddings, image embeddings merged at the placeholder
+     positions) into their KV-cache slots; each row's last real logits give its first token;
   2. one decode step for every running sequence together: each feeds its newest token, the
      model writes one KV entry per sequence and returns one row of logits per sequence;
   3. per sequence: the no-repeat-n-gram rule bans tokens, argmax picks the next one, text deltas
@@ -85,8 +85,9 @@ class _Sequence:
 
 class GenerationEngine:
     def __init__(self, model: Decoder, tokenizer, max_batch: int = 64, max_len: int | None = None,
-                 decode_graphs: bool | None = None):
+                 decode_graphs: bool | None = None, prefill_tokens: int = 16384):
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
+        self.prefill_tokens = prefill_tokens  # padded tokens per batched prefill forward
         self.max_len = max_len or model.args.max_positions
         self.cache = KVCache(model.args, max_batch, self.max_len, model.device, model.dtype)
         # CUDA graphs of the decode step (decoder/decode_graphs.py), captured by `prepare()` (on
@@ -156,31 +157,56 @@ class GenerationEngine:
         self.prepare()
         deltas = []
         while self.waiting and len(self.running) < self.max_batch:
-            seq, logits = self._prefill(self.waiting.popleft())
-            deltas += self._accept([seq], logits)
+            seqs, logits = self._prefill(self._next_prefill_group())
+            deltas += self._accept(seqs, logits)
         if self.running:
             active = [s for s in self.running if s.pending is not None]
             logits = self._decode(active)
             deltas += self._accept(active, logits)
         return deltas
 
-    def _prefill(self, request: GenerationRequest) -> tuple[_Sequence, torch.Tensor]:
-        ids = torch.tensor(request.prompt_ids, device=self.model.device)
+    def _next_prefill_group(self) -> list[GenerationRequest]:
+        """Waiting requests to prefill in one forward: at least one, then more while slots are
+        free and the right-padded batch stays within `prefill_tokens` tokens."""
+        group = [self.waiting.popleft()]
+        longest = len(group[0].prompt_ids)
+        while self.waiting and len(self.running) + len(group) < self.max_batch:
+            longest_next = max(longest, len(self.waiting[0].prompt_ids))
+            if longest_next * (len(group) + 1) > self.prefill_tokens:
+                break
+            group.append(self.waiting.popleft())
+            longest = longest_next
+        return group
+
+    def _prefill(self, requests: list[GenerationRequest]) -> tuple[list[_Sequence], torch.Tensor]:
+        """Prompts right-padded into one batch (causal rows never attend to their padding, and
+        the padded cache positions are masked until decoding overwrites them), image
+        embeddings merged at the placeholders, written into the next free slots."""
+        lengths = [len(r.prompt_ids) for r in requests]
+        ids = torch.zeros(len(requests), max(lengths), dtype=torch.long)
+        for row, request in enumerate(requests):
+            ids[row, :lengths[row]] = torch.tensor(request.prompt_ids)
+        ids = ids.to(self.model.device)
         embeds = self.model.embed(ids)
-        if request.image_embeds:
-            images = torch.cat([e.to(embeds.device, embeds.dtype) for e in request.image_embeds])
-            embeds = embeds.index_put((torch.nonzero(ids == IMAGE_TOKEN_ID)[:, 0],), images)
+        images = [e for r in requests for e in r.image_embeds]
+        if images:  # placeholders in row-major order, as the images are concatenated
+            images = torch.cat([e.to(embeds.device, embeds.dtype) for e in images])
+            embeds[ids == IMAGE_TOKEN_ID] = images
         slot = len(self.running)
-        logits = self.model(inputs_embeds=embeds[None], step=CacheStep(self.cache, slot=slot),
-                            last_only=True)[:, -1]
-        params = request.params
-        seq = _Sequence(request, slot, len(request.prompt_ids),
-                        min(params.max_tokens, self.max_len - len(request.prompt_ids)),
-                        NoRepeatNGram(params.ngram.ngram_size, params.ngram.window,
-                                      params.ngram.whitelist) if params.ngram.enabled else None,
-                        IncrementalDecoder(self.tokenizer))
-        self.running.append(seq)
-        return seq, logits
+        last = torch.tensor(lengths, device=self.model.device) - 1
+        logits = self.model(inputs_embeds=embeds, step=CacheStep(self.cache, slot=slot),
+                            logits_at=last)[:, -1]
+        seqs = []
+        for row, request in enumerate(requests):
+            params = request.params
+            seq = _Sequence(request, slot + row, lengths[row],
+                            min(params.max_tokens, self.max_len - lengths[row]),
+                            NoRepeatNGram(params.ngram.ngram_size, params.ngram.window,
+                                          params.ngram.whitelist) if params.ngram.enabled else None,
+                            IncrementalDecoder(self.tokenizer))
+            self.running.append(seq)
+            seqs.append(seq)
+        return seqs, logits
 
     def _decode(self, active: list[_Sequence]) -> torch.Tensor:
         # Active sequences are exactly the running ones, in slot order 0..S-1.

@@ -66,10 +66,10 @@ class KVCache:
 
 @dataclass
 class CacheStep:
-    """How a forward uses the KV cache: prefill one slot, or decode slots 0..S-1."""
+    """How a forward uses the KV cache: prefill B slots, or decode slots 0..S-1."""
 
     cache: KVCache
-    slot: int | None = None  # prefill: batch of 1 written into this slot at positions 0..T-1
+    slot: int | None = None  # prefill: row b written into slot `slot + b` at positions 0..T-1
     positions: torch.Tensor | None = None  # decode: [S] position of each slot's new token
     kv_len: int = 0  # decode: attend over cache positions [0, kv_len)
 
@@ -89,9 +89,9 @@ class Attention(nn.Module):
                    for p in (self.q_proj, self.k_proj, self.v_proj))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if step is None or step.slot is not None:  # whole sequence, causal
-            if step is not None:
-                step.cache.k[layer, step.slot, :, :t] = k[0]
-                step.cache.v[layer, step.slot, :, :t] = v[0]
+            if step is not None:  # rows may be right-padded: causal rows never see the pads
+                step.cache.k[layer, step.slot:step.slot + bsz, :, :t] = k
+                step.cache.v[layer, step.slot:step.slot + bsz, :, :t] = v
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # one new token per running sequence
             rows = torch.arange(bsz, device=x.device)
@@ -200,7 +200,8 @@ class Transformer(nn.Module):
 
 class Decoder(nn.Module):
     """`decoder(input_ids=..., inputs_embeds=...)` -> logits [B, T, vocab] (full causal pass);
-    with `step`, the same forward reads and writes the generation engine's KV cache."""
+    with `step`, the same forward reads and writes the generation engine's KV cache;
+    `last_only` / `logits_at` ([B] positions) keep one position per row -> [B, 1, vocab]."""
 
     def __init__(self, args: DecoderArgs):
         super().__init__()
@@ -220,7 +221,8 @@ class Decoder(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids=None, inputs_embeds=None, positions=None,
-                step: CacheStep | None = None, last_only: bool = False):
+                step: CacheStep | None = None, last_only: bool = False,
+                logits_at: torch.Tensor | None = None):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(self.dtype)
@@ -232,4 +234,6 @@ class Decoder(nn.Module):
             x = layer(x, cos, sin, step)
         if last_only:
             x = x[:, -1:]
+        elif logits_at is not None:  # one position per row ([B]): right-padded prefills
+            x = x[torch.arange(bsz, device=x.device), logits_at][:, None]
         return self.lm_head(self.model.norm(x))

@@ -10,7 +10,9 @@ import asyncio
 import base64
 import binascii
 import json
+import statistics
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 
 import torch
@@ -122,6 +124,14 @@ class Router:
         self.newline, self.separator = specials["model.image_newline"], specials["model.view_seperator"]
         # Encode-only apps need no tokenizer (and their checkpoints may carry none).
         self.tokenizer = load_tokenizer(directory if checkpoint else None) if decoder else None
+        self.recent: deque[dict] = deque(maxlen=1000)  # per-request stage timings
+
+    def timings(self) -> dict:
+        """Median ms per stage (preprocess, encode, assemble) over the last 1,000 requests."""
+        keys = ("preprocess_ms", "encode_ms", "assemble_ms")
+        return {"requests": len(self.recent),
+                **{k: statistics.median(t[k] for t in self.recent) if self.recent else None
+                   for k in keys}}
 
     # -- Python handle API ------------------------------------------------------------------
     async def encode(self, image, mode: str = "gundam", max_crops: int = 6) -> list[torch.Tensor]:
@@ -181,6 +191,7 @@ class Router:
                   for item in items if item.tiled]
         results = [from_wire(r) for r in await asyncio.gather(*calls)]
         timings["encode_ms"] = (time.perf_counter() - start) * 1e3
+        start = time.perf_counter()
         local = iter(results[len(items):])
         seqs = []
         for item, global_tokens in zip(items, results):
@@ -188,6 +199,8 @@ class Router:
             seq = assemble(global_tokens[0], crops, item.grid, self.newline, self.separator)
             assert seq.shape[0] == item.num_tokens, (seq.shape, item.num_tokens)
             seqs.append(seq)
+        timings["assemble_ms"] = (time.perf_counter() - start) * 1e3
+        self.recent.append(timings)
         return seqs, timings
 
     def _prompt(self, seqs: list[torch.Tensor], options: dict):

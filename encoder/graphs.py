@@ -35,17 +35,22 @@ log = logging.getLogger(__name__)
 GB = 1024 ** 3
 
 
-def capture_graph(fn, pool=None, warmup: int = 1, device=None):
+def capture_graph(fn, pool=None, warmup: int = 1, device=None, stream=None):
     """Run `fn` `warmup` times on a side stream (handles, Triton compilation, allocator pool),
-    then capture it: (graph, fn's output, which every replay rewrites in place)."""
-    side = torch.cuda.Stream(device)
+    then capture it on that same stream: (graph, fn's output, which every replay rewrites).
+
+    cuBLAS keeps one workspace per stream and a graph bakes in the workspace of the stream it
+    was captured on; torch.cuda.graph's default capture stream is one for the whole process.
+    Graphs that may replay at the same time (the two encoder paths) must therefore be captured
+    on different streams: pass one `stream` per group of graphs that never overlap."""
+    side = stream or torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(warmup):
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=side):
         out = fn()
     return graph, out
 
@@ -89,11 +94,14 @@ class PathGraphs:
     def _capture_all(self, max_memory_gb, warmup):
         cap = None if max_memory_gb is None else int(max_memory_gb * GB)
         pool = torch.cuda.graph_pool_handle()
+        # This path's capture stream: its own cuBLAS workspace (see capture_graph).
+        stream = torch.cuda.Stream(self.device)
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # capture empties the cache too: measure from the same floor
         base = torch.cuda.memory_reserved(self.device)
         start = time.perf_counter()
         for budget in sorted(self.budgets.budgets, reverse=True):
-            self.graphs[budget] = self._capture(budget // self.budgets.unit, pool, warmup)
+            self.graphs[budget] = self._capture(budget // self.budgets.unit, pool, warmup, stream)
             used = torch.cuda.memory_reserved(self.device) - base
             if cap is not None and used > cap:
                 # Largest first: dropping this one frees its buffers; the pool stays sized by
@@ -110,11 +118,11 @@ class PathGraphs:
                  self.report.dropped)
 
     @torch.inference_mode()
-    def _capture(self, capacity: int, pool, warmup: int) -> _Graph:
+    def _capture(self, capacity: int, pool, warmup: int, stream) -> _Graph:
         gen = torch.Generator(device=self.device).manual_seed(capacity)
         pixels = torch.randint(0, 256, (capacity, *self.view_shape), dtype=torch.uint8,
                                device=self.device, generator=gen)
-        graph, out = capture_graph(lambda: self.forward(pixels), pool, warmup, self.device)
+        graph, out = capture_graph(lambda: self.forward(pixels), pool, warmup, self.device, stream)
         return _Graph(graph, pixels, out, filled=capacity)
 
     # -- execution --------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import io
 import math
 import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -360,12 +361,16 @@ def preprocess(
     img = load_image(image, max_pixels=max_pixels)
     size = view_mode.base_size
 
-    global_img = _pad_to_square(img, size) if view_mode.pad else _stretch_to_square(img, size)
     grid = (1, 1)
-    crops = torch.empty((0, 3, CROP_SIZE, CROP_SIZE), dtype=torch.uint8)
+    tiles = None
     if view_mode.crop and (img.width > CROP_SIZE or img.height > CROP_SIZE):
         grid = choose_grid(img.width, img.height, max_crops)
-        crops = _tile(img, grid)
+        # The two resizes of a page (~30 ms each) are independent and PIL releases the GIL
+        # while resampling: tile on a helper thread while this one builds the global view.
+        tiles = _RESIZE_THREADS.submit(_tile, img, grid)
+    global_img = _pad_to_square(img, size) if view_mode.pad else _stretch_to_square(img, size)
+    crops = (tiles.result() if tiles is not None
+             else torch.empty((0, 3, CROP_SIZE, CROP_SIZE), dtype=torch.uint8))
 
     return PreprocessedImage(
         global_view=_to_chw_uint8(global_img),
@@ -375,6 +380,9 @@ def preprocess(
         mode=mode,
         original_size=img.size,
     )
+
+
+_RESIZE_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tile-resize")
 
 
 def _check_mode(mode) -> ViewMode:

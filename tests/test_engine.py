@@ -62,11 +62,13 @@ def test_cached_generation_equals_recomputation(model, tokenizer):
     assert result.token_ids == greedy_without_cache(model, requests(tokenizer)[0])
 
 
+@pytest.mark.parametrize("max_batch", [2, 5])
 @pytest.mark.parametrize("ngram", [OFF, NGramConfig(ngram_size=3, window=20)], ids=["plain", "ngram"])
-def test_continuous_batching_equals_alone(model, tokenizer, ngram):
-    # max_batch 2 < 5 requests: later ones join as earlier ones finish.
-    together = GenerationEngine(model, tokenizer, max_batch=2, max_len=2048).generate(
-        requests(tokenizer, ngram))
+def test_continuous_batching_equals_alone(model, tokenizer, ngram, max_batch):
+    # max_batch 2 < 5 requests: later ones join as earlier ones finish; max_batch 5: all five
+    # prompts (8 to ~1,200 tokens, with and without images) prefill in one right-padded batch.
+    engine = GenerationEngine(model, tokenizer, max_batch=max_batch, max_len=2048)
+    together = engine.generate(requests(tokenizer, ngram))
     alone = [GenerationEngine(model, tokenizer, max_batch=1, max_len=2048).generate([r])[0]
              for r in requests(tokenizer, ngram)]
     for t, a in zip(together, alone):
@@ -251,6 +253,18 @@ def test_decode_graphs_match_eager_decoding():
     while engine.has_work():
         engine.step()
     assert not engine.running
+
+
+def test_prefill_groups_respect_the_token_budget(model, tokenizer):
+    engine = GenerationEngine(model, tokenizer, max_batch=8, max_len=2048, prefill_tokens=1300)
+    for r in requests(tokenizer):  # prompt lengths ~290, 6, ~1200, 6, ~120
+        engine.add(r)
+    groups = []
+    while engine.waiting:
+        group = engine._next_prefill_group()
+        groups.append(len(group))
+        assert len(group) == 1 or max(len(r.prompt_ids) for r in group) * len(group) <= 1300
+    assert groups == [2, 1, 2]
 
 
 def test_decode_graphs_need_bf16_cuda(model, tokenizer):

@@ -108,6 +108,9 @@ def test_concurrent_requests_batch_in_the_encoders(handle):
     stats = [serve.get_deployment_handle(name, APP).stats.remote().result()
              for name in ("GlobalEncoder", "LocalEncoder")]
     assert max(max(s["requests_per_batch"]) for s in stats) > 1, stats
+    stages = handle.timings.remote().result()
+    assert stages["requests"] >= 16 and all(stages[k] >= 0 for k in ("preprocess_ms", "encode_ms",
+                                                                     "assemble_ms"))
 
 
 @pytest.mark.parametrize("body, message", [

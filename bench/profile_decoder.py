@@ -1,0 +1,54 @@
+"""Where does a decode step's time go? Kernel table (torch.profiler) and graph-replay floor.
+
+    python bench/profile_decoder.py [--batch 1 16 64] [--context 1024]
+
+Real DeepSeek-3B-MoE dims, random weights, bf16. For `batch` sequences at `context` cached
+tokens: the eager model step (wall and summed kernel time), the same step replayed from a CUDA
+graph, and the top CUDA kernels. Diagnostic only; writes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.common import graph_replay_ms, time_ms  # noqa: E402
+from decoder.checkpoint import random_decoder  # noqa: E402
+from decoder.config import DecoderArgs  # noqa: E402
+from decoder.model import CacheStep, KVCache  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--rows", type=int, default=20)
+    opts = parser.parse_args(argv)
+    args = DecoderArgs()
+    model = random_decoder(args, device="cuda", dtype=torch.bfloat16)
+    cache = KVCache(args, max(opts.batch), opts.context + 8, "cuda", torch.bfloat16)
+    for batch in opts.batch:
+        tokens = torch.randint(3, 1000, (batch, 1), device="cuda")
+        positions = torch.full((batch,), opts.context, device="cuda")
+        step = CacheStep(cache, positions=positions, kv_len=opts.context + 1)
+        with torch.inference_mode():
+            fn = lambda: model(input_ids=tokens, positions=positions[:, None], step=step)  # noqa: E731
+            eager = time_ms(fn, 10)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            events = prof.key_averages()
+            kernel_ms = sum(e.self_device_time_total for e in events) / 1e3
+            replay = graph_replay_ms(fn, 20)
+        launches = sum(e.count for e in events if e.device_type.name == "CUDA")
+        print(f"\n=== batch {batch}, context {opts.context}: eager {eager:.2f} ms, kernels "
+              f"{kernel_ms:.2f} ms, graph replay {replay:.2f} ms, kernel launches {launches}")
+        print(events.table(sort_by="self_device_time_total", row_limit=opts.rows, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
