@@ -75,34 +75,55 @@ def main(argv=None):
 
     embeds = torch.randn(1, PROMPT, args.hidden, device="cuda", dtype=torch.bfloat16)
     variants = {}
-    for name, graphs in (("eager", False), ("decode_graphs", True)):
-        engine = GenerationEngine(model, tokenizer, max_batch=max(CONCURRENCY), max_len=max_len,
-                                  decode_graphs=graphs)
-        start = time.perf_counter()
-        warm = GenerationRequest([0, 5, 6], params=SamplingParams(max_tokens=4, ignore_eos=True))
-        engine.generate([warm])  # warm-up; with graphs, the first step captures them all
-        rows = {"setup_s": time.perf_counter() - start}
-        if name == "eager":
-            with torch.inference_mode():
-                rows["prefill_ms"] = time_ms(lambda: model(
-                    inputs_embeds=embeds, step=CacheStep(engine.cache, slot=0), last_only=True), 10)
-                batch = embeds.expand(16, -1, -1)  # the engine prefills waiting prompts together
-                rows["prefill_16_per_prompt_ms"] = time_ms(lambda: model(
-                    inputs_embeds=batch, step=CacheStep(engine.cache, slot=0), last_only=True), 5) / 16
-        for n in CONCURRENCY:
-            rows[str(n)] = run(engine, args, n)
-            print(f"{name} c{n}: {rows[str(n)]['tokens_per_s']:.0f} tokens/s, decode step "
-                  f"{rows[str(n)]['decode_step_ms_p50']:.2f} ms", flush=True)
-        variants[name] = rows
-        del engine
+    for name, graphs, compile_ in (("eager", False, False), ("decode_graphs", True, False),
+                                   ("decode_graphs_compiled", True, True)):
+        try:
+            variants[name] = measure(model, tokenizer, args, embeds, max_len, graphs, compile_,
+                                     prefill=name == "eager")
+        except Exception as e:  # noqa: BLE001 - a failed variant is recorded, the rest stand
+            variants[name] = {"error": f"{type(e).__name__}: {e}"}
+            print(name, "failed:", variants[name]["error"], flush=True)
         torch.cuda.empty_cache()
-    # The summary reports the engine's default (decode graphs on CUDA bf16), eager beside it.
+        write(opts, variants, weights_gb)  # after each variant: a cut-off run keeps what it has
+
+
+def measure(model, tokenizer, args, embeds, max_len, graphs, compile_, prefill) -> dict:
+    engine = GenerationEngine(model, tokenizer, max_batch=max(CONCURRENCY), max_len=max_len,
+                              decode_graphs=graphs, compile=compile_)
+    start = time.perf_counter()
+    warm = GenerationRequest([0, 5, 6], params=SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.generate([warm])  # warm-up; with graphs, the first step captures them all
+    rows = {"setup_s": time.perf_counter() - start}
+    if prefill:
+        with torch.inference_mode():
+            rows["prefill_ms"] = time_ms(lambda: model(
+                inputs_embeds=embeds, step=CacheStep(engine.cache, slot=0), last_only=True), 10)
+            batch = embeds.expand(16, -1, -1)  # the engine prefills waiting prompts together
+            rows["prefill_16_per_prompt_ms"] = time_ms(lambda: model(
+                inputs_embeds=batch, step=CacheStep(engine.cache, slot=0), last_only=True), 5) / 16
+    for n in CONCURRENCY:
+        rows[str(n)] = run(engine, args, n)
+        print(f"{'compiled' if compile_ else 'graphs' if graphs else 'eager'} c{n}: "
+              f"{rows[str(n)]['tokens_per_s']:.0f} tokens/s, decode step "
+              f"{rows[str(n)]['decode_step_ms_p50']:.2f} ms", flush=True)
+    return rows
+
+
+def tokens_per_s(variant: dict) -> dict:
+    return {f"c{n}": variant[str(n)]["tokens_per_s"] for n in CONCURRENCY if str(n) in variant}
+
+
+def write(opts, variants: dict, weights_gb: float) -> None:
+    # The summary reports the engine's default (decode graphs on CUDA bf16), the rest beside it.
+    if "1" not in variants.get("decode_graphs", {}):
+        return
     best, eager = variants["decode_graphs"], variants["eager"]
     summary = {"tokens_per_s_c1": best["1"]["tokens_per_s"], "tokens_per_s_c16": best["16"]["tokens_per_s"],
                "tokens_per_s_c64": best["64"]["tokens_per_s"], "prefill_ms": eager["prefill_ms"],
                "prefill_16_per_prompt_ms": eager["prefill_16_per_prompt_ms"],
                "decode_graphs": True,
-               "eager_tokens_per_s": {f"c{n}": eager[str(n)]["tokens_per_s"] for n in CONCURRENCY},
+               "eager_tokens_per_s": tokens_per_s(eager),
+               "compiled_tokens_per_s": tokens_per_s(variants.get("decode_graphs_compiled", {})),
                "graph_speedup": {f"c{n}": best[str(n)]["tokens_per_s"] / eager[str(n)]["tokens_per_s"]
                                  for n in CONCURRENCY},
                "target_tokens_per_s_c64": TARGET_C64,
@@ -115,7 +136,6 @@ def main(argv=None):
                      "ngram": "default (30/90)", "submission": "all n requests at once; "
                      "tokens/s counts prefills; decode_step_ms_p50 times steps without prefill"},
         "summary": summary, "variants": variants})
-
 
 if __name__ == "__main__":
     main()

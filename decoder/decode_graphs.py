@@ -24,7 +24,10 @@ from .model import CacheStep, Decoder, KVCache
 
 log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-CONTEXT_BUCKETS = (512, 1024, 2048, 4096, 8192)
+# Attention reads a bucket's whole cache length (masked past each row's position), and at 64
+# sequences reading keys and values costs about as much as reading the weights: keep buckets
+# within 1.25-1.5x of each other.
+CONTEXT_BUCKETS = (512, 768, 1024, 1280, 1536, 2048, 3072, 4096, 6144, 8192)
 
 
 def buckets(candidates, limit: int) -> list[int]:
@@ -32,10 +35,14 @@ def buckets(candidates, limit: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Decoder, cache: KVCache, max_batch: int, max_len: int):
+    def __init__(self, model: Decoder, cache: KVCache, max_batch: int, max_len: int,
+                 compile: bool = False):
         if not (model.device.type == "cuda" and model.dtype == torch.bfloat16):
             raise ValueError("decode graphs need a bf16 model on CUDA")
         self.model, self.cache = model, cache
+        # torch.compile before capture fuses the step's many small elementwise kernels (norms,
+        # RoPE, gating); one dynamic compile serves every bucket (batch 1 gets its own).
+        self.forward = torch.compile(model, dynamic=True) if compile else model
         self.batches = buckets(BATCH_BUCKETS, max_batch)
         self.contexts = buckets(CONTEXT_BUCKETS, max_len)
         self.graphs: dict[tuple[int, int], tuple] = {}
@@ -52,8 +59,8 @@ class DecodeGraphs:
         positions = torch.zeros(batch, dtype=torch.long, device=self.model.device)
 
         def step():
-            return self.model(input_ids=tokens, positions=positions[:, None],
-                              step=CacheStep(self.cache, positions=positions, kv_len=context))[:, -1]
+            return self.forward(input_ids=tokens, positions=positions[:, None],
+                                step=CacheStep(self.cache, positions=positions, kv_len=context))[:, -1]
 
         graph, logits = capture_graph(step, pool, device=self.model.device, stream=stream)
         return graph, tokens, positions, logits

@@ -21,7 +21,9 @@ The story, top to bottom:
 from __future__ import annotations
 
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -183,7 +185,13 @@ class DualPathEncoder:
     def encode_images(self, images, mode: str = "gundam", max_crops: int = 6) -> list[torch.Tensor]:
         if not isinstance(images, (list, tuple)):
             images = [images]
-        return self.encode([preprocess(image, mode=mode, max_crops=max_crops) for image in images])
+        if len(images) == 1:
+            return self.encode([preprocess(images[0], mode=mode, max_crops=max_crops)])
+        # Decoding and resizing dominate for pages (PIL releases the GIL): one thread per image.
+        with ThreadPoolExecutor(max_workers=min(len(images), os.cpu_count() or 1, 16)) as pool:
+            items = list(pool.map(lambda image: preprocess(image, mode=mode, max_crops=max_crops),
+                                  images))
+        return self.encode(items)
 
     def encode(self, items: list[PreprocessedImage]) -> list[torch.Tensor]:
         """One [num_tokens, D] sequence per preprocessed image, in the order given."""

@@ -382,7 +382,9 @@ def preprocess(
     )
 
 
-_RESIZE_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tile-resize")
+# Shared by every caller (router threads, encode_images): bounded by the machine, not per call.
+_RESIZE_THREADS = ThreadPoolExecutor(max_workers=max(4, os.cpu_count() or 1),
+                                     thread_name_prefix="tile-resize")
 
 
 def _check_mode(mode) -> ViewMode:
