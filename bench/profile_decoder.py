@@ -4,13 +4,15 @@
 
 Real DeepSeek-3B-MoE dims, random weights, bf16. For `batch` sequences at `context` cached
 tokens: the eager model step (wall and summed kernel time), the same step replayed from a CUDA
-graph, and the top CUDA kernels. Diagnostic only; writes nothing.
+graph, and the top CUDA kernels; with --compile, the graph replay of the torch.compile'd step.
+Diagnostic only; writes nothing.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -27,6 +29,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--rows", type=int, default=20)
+    parser.add_argument("--compile", action="store_true",
+                        help="also replay a graph of the torch.compile'd step (one static compile per batch)")
     opts = parser.parse_args(argv)
     args = DecoderArgs()
     model = random_decoder(args, device="cuda", dtype=torch.bfloat16)
@@ -44,6 +48,14 @@ def main(argv=None):
             events = prof.key_averages()
             kernel_ms = sum(e.self_device_time_total for e in events) / 1e3
             replay = graph_replay_ms(fn, 20)
+            if opts.compile:
+                compiled = torch.compile(model)
+                fn = lambda: compiled(input_ids=tokens, positions=positions[:, None], step=step)  # noqa: E731
+                start = time.perf_counter()
+                fn()
+                compile_s = time.perf_counter() - start
+                print(f"batch {batch}: compiled step replay {graph_replay_ms(fn, 20):.2f} ms "
+                      f"(compile {compile_s:.0f} s)", flush=True)
         launches = sum(e.count for e in events if e.device_type.name == "CUDA")
         print(f"\n=== batch {batch}, context {opts.context}: eager {eager:.2f} ms, kernels "
               f"{kernel_ms:.2f} ms, graph replay {replay:.2f} ms, kernel launches {launches}")
