@@ -75,10 +75,9 @@ def main(argv=None):
 
     embeds = torch.randn(1, PROMPT, args.hidden, device="cuda", dtype=torch.bfloat16)
     variants = {}
-    for name, graphs, compile_ in (("eager", False, False), ("decode_graphs", True, False),
-                                   ("decode_graphs_compiled", True, True)):
+    for name, graphs in (("eager", False), ("decode_graphs", True)):
         try:
-            variants[name] = measure(model, tokenizer, args, embeds, max_len, graphs, compile_,
+            variants[name] = measure(model, tokenizer, args, embeds, max_len, graphs,
                                      prefill=name == "eager")
         except Exception as e:  # noqa: BLE001 - a failed variant is recorded, the rest stand
             variants[name] = {"error": f"{type(e).__name__}: {e}"}
@@ -87,9 +86,9 @@ def main(argv=None):
         write(opts, variants, weights_gb)  # after each variant: a cut-off run keeps what it has
 
 
-def measure(model, tokenizer, args, embeds, max_len, graphs, compile_, prefill) -> dict:
+def measure(model, tokenizer, args, embeds, max_len, graphs, prefill) -> dict:
     engine = GenerationEngine(model, tokenizer, max_batch=max(CONCURRENCY), max_len=max_len,
-                              decode_graphs=graphs, compile=compile_)
+                              decode_graphs=graphs)
     start = time.perf_counter()
     warm = GenerationRequest([0, 5, 6], params=SamplingParams(max_tokens=4, ignore_eos=True))
     engine.generate([warm])  # warm-up; with graphs, the first step captures them all
@@ -103,14 +102,10 @@ def measure(model, tokenizer, args, embeds, max_len, graphs, compile_, prefill) 
                 inputs_embeds=batch, step=CacheStep(engine.cache, slot=0), last_only=True), 5) / 16
     for n in CONCURRENCY:
         rows[str(n)] = run(engine, args, n)
-        print(f"{'compiled' if compile_ else 'graphs' if graphs else 'eager'} c{n}: "
+        print(f"{'graphs' if graphs else 'eager'} c{n}: "
               f"{rows[str(n)]['tokens_per_s']:.0f} tokens/s, decode step "
               f"{rows[str(n)]['decode_step_ms_p50']:.2f} ms", flush=True)
     return rows
-
-
-def tokens_per_s(variant: dict) -> dict:
-    return {f"c{n}": variant[str(n)]["tokens_per_s"] for n in CONCURRENCY if str(n) in variant}
 
 
 def write(opts, variants: dict, weights_gb: float) -> None:
@@ -122,8 +117,7 @@ def write(opts, variants: dict, weights_gb: float) -> None:
                "tokens_per_s_c64": best["64"]["tokens_per_s"], "prefill_ms": eager["prefill_ms"],
                "prefill_16_per_prompt_ms": eager["prefill_16_per_prompt_ms"],
                "decode_graphs": True,
-               "eager_tokens_per_s": tokens_per_s(eager),
-               "compiled_tokens_per_s": tokens_per_s(variants.get("decode_graphs_compiled", {})),
+               "eager_tokens_per_s": {f"c{n}": eager[str(n)]["tokens_per_s"] for n in CONCURRENCY},
                "graph_speedup": {f"c{n}": best[str(n)]["tokens_per_s"] / eager[str(n)]["tokens_per_s"]
                                  for n in CONCURRENCY},
                "target_tokens_per_s_c64": TARGET_C64,

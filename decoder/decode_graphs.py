@@ -35,14 +35,12 @@ def buckets(candidates, limit: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Decoder, cache: KVCache, max_batch: int, max_len: int,
-                 compile: bool = False):
+    def __init__(self, model: Decoder, cache: KVCache, max_batch: int, max_len: int):
         if not (model.device.type == "cuda" and model.dtype == torch.bfloat16):
             raise ValueError("decode graphs need a bf16 model on CUDA")
+        # Not torch.compile'd: Inductor's step replayed at 30.5 ms against 6.45 ms plain (64
+        # sequences, 1,280 cached tokens, H200; bench/profile_decoder.py --compile).
         self.model, self.cache = model, cache
-        # torch.compile before capture fuses the step's many small elementwise kernels (norms,
-        # RoPE, gating); one dynamic compile serves every bucket (batch 1 gets its own).
-        self.forward = torch.compile(model, dynamic=True) if compile else model
         self.batches = buckets(BATCH_BUCKETS, max_batch)
         self.contexts = buckets(CONTEXT_BUCKETS, max_len)
         self.graphs: dict[tuple[int, int], tuple] = {}
@@ -59,8 +57,8 @@ class DecodeGraphs:
         positions = torch.zeros(batch, dtype=torch.long, device=self.model.device)
 
         def step():
-            return self.forward(input_ids=tokens, positions=positions[:, None],
-                                step=CacheStep(self.cache, positions=positions, kv_len=context))[:, -1]
+            return self.model(input_ids=tokens, positions=positions[:, None],
+                              step=CacheStep(self.cache, positions=positions, kv_len=context))[:, -1]
 
         graph, logits = capture_graph(step, pool, device=self.model.device, stream=stream)
         return graph, tokens, positions, logits

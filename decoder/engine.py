@@ -85,8 +85,7 @@ class _Sequence:
 
 class GenerationEngine:
     def __init__(self, model: Decoder, tokenizer, max_batch: int = 64, max_len: int | None = None,
-                 decode_graphs: bool | None = None, prefill_tokens: int = 16384,
-                 compile: bool = False):
+                 decode_graphs: bool | None = None, prefill_tokens: int = 16384):
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         self.prefill_tokens = prefill_tokens  # padded tokens per batched prefill forward
         self.max_len = max_len or model.args.max_positions
@@ -99,7 +98,6 @@ class GenerationEngine:
             raise ValueError(f"decode graphs need a bf16 model on CUDA, got {model.dtype} on "
                              f"{model.device}")
         self.use_decode_graphs = graphable if decode_graphs is None else decode_graphs
-        self.compile = compile  # torch.compile the decode step before capturing its graphs
         self.decode_graphs = None
         self.waiting: deque[GenerationRequest] = deque()
         self.running: list[_Sequence] = []
@@ -152,8 +150,7 @@ class GenerationEngine:
             # Capture before any request holds a slot: warm-up and capture write into the cache.
             assert not self.running, "decode graphs are captured before the first prefill"
             from .decode_graphs import DecodeGraphs
-            self.decode_graphs = DecodeGraphs(self.model, self.cache, self.max_batch, self.max_len,
-                                              self.compile)
+            self.decode_graphs = DecodeGraphs(self.model, self.cache, self.max_batch, self.max_len)
 
     @torch.inference_mode()
     def step(self) -> list[Delta]:
