@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import ray
 from ray import serve
 
 from decoder import (AsyncEngine, GenerationEngine, GenerationRequest, NGramConfig, SamplingParams,
@@ -37,6 +38,12 @@ class DecoderServer:
         # use_graphs None: decode-step CUDA graphs on a GPU, eager on CPU.
         self.engine = AsyncEngine(GenerationEngine(model, tokenizer, max_batch, max_len,
                                                    decode_graphs=use_graphs))
+
+    def stats(self) -> dict:
+        engine = self.engine.engine
+        return {"model": self.model_label, "gpu_ids": ray.get_gpu_ids(),
+                "decode_graphs": engine.decode_graphs is not None,
+                "running": len(engine.running), "waiting": len(engine.waiting)}
 
     def check_health(self):
         if not self.engine.alive:

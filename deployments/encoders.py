@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import ray
 import torch
 from ray import serve
 
@@ -86,6 +87,6 @@ class PathEncoder:
             raise RuntimeError(f"{self.runner.name} encoder unusable after {self.broken}")
 
     def stats(self) -> dict:
-        return {"path": self.runner.name, "model": self.model_label,
+        return {"path": self.runner.name, "model": self.model_label, "gpu_ids": ray.get_gpu_ids(),
                 "requests_per_batch": dict(sorted(self.request_batches.items())),
                 **self.runner.stats.as_dict(), "capture": self.runner.report.as_dict()}

@@ -108,6 +108,8 @@ def test_concurrent_requests_batch_in_the_encoders(handle):
     stats = [serve.get_deployment_handle(name, APP).stats.remote().result()
              for name in ("GlobalEncoder", "LocalEncoder")]
     assert max(max(s["requests_per_batch"]) for s in stats) > 1, stats
+    decoder = serve.get_deployment_handle("Decoder", APP).stats.remote().result()
+    assert decoder["decode_graphs"] is False and decoder["running"] >= 0  # CPU: eager decoding
     stages = handle.timings.remote().result()
     assert stages["requests"] >= 16 and all(stages[k] >= 0 for k in ("preprocess_ms", "encode_ms",
                                                                      "assemble_ms"))
