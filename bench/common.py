@@ -52,6 +52,26 @@ def graph_replay_ms(fn, iters: int) -> float:
     return ms
 
 
+def profile_step(fn, iters: int = 10) -> dict:
+    """Eager ms, summed kernel ms and launches (torch.profiler), graph-replay ms, kernel table."""
+    from torch.profiler import ProfilerActivity, profile
+    eager = time_ms(fn, iters)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    return {"eager_ms": eager, "kernel_ms": sum(e.self_device_time_total for e in events) / 1e3,
+            "launches": sum(e.count for e in events if e.device_type.name == "CUDA"),
+            "replay_ms": graph_replay_ms(fn, iters), "events": events}
+
+
+def print_profile(title: str, p: dict, rows: int) -> None:
+    print(f"\n=== {title}: eager {p['eager_ms']:.2f} ms, kernels {p['kernel_ms']:.2f} ms, graph replay "
+          f"{p['replay_ms']:.2f} ms, kernel launches {p['launches']}")
+    if rows:
+        print(p["events"].table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60))
+
+
 def rel_err(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 

@@ -15,10 +15,9 @@ import sys
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import graph_replay_ms, time_ms  # noqa: E402
+from bench.common import graph_replay_ms, print_profile, profile_step  # noqa: E402
 from decoder.checkpoint import random_decoder  # noqa: E402
 from decoder.config import DecoderArgs  # noqa: E402
 from decoder.model import CacheStep, KVCache  # noqa: E402
@@ -41,13 +40,7 @@ def main(argv=None):
         step = CacheStep(cache, positions=positions, kv_len=opts.context + 1)
         with torch.inference_mode():
             fn = lambda: model(input_ids=tokens, positions=positions[:, None], step=step)  # noqa: E731
-            eager = time_ms(fn, 10)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                fn()
-                torch.cuda.synchronize()
-            events = prof.key_averages()
-            kernel_ms = sum(e.self_device_time_total for e in events) / 1e3
-            replay = graph_replay_ms(fn, 20)
+            result = profile_step(fn, 20)
             if opts.compile:
                 compiled = torch.compile(model)
                 fn = lambda: compiled(input_ids=tokens, positions=positions[:, None], step=step)  # noqa: E731
@@ -56,10 +49,7 @@ def main(argv=None):
                 compile_s = time.perf_counter() - start
                 print(f"batch {batch}: compiled step replay {graph_replay_ms(fn, 20):.2f} ms "
                       f"(compile {compile_s:.0f} s)", flush=True)
-        launches = sum(e.count for e in events if e.device_type.name == "CUDA")
-        print(f"\n=== batch {batch}, context {opts.context}: eager {eager:.2f} ms, kernels "
-              f"{kernel_ms:.2f} ms, graph replay {replay:.2f} ms, kernel launches {launches}")
-        print(events.table(sort_by="self_device_time_total", row_limit=opts.rows, max_name_column_width=60))
+        print_profile(f"batch {batch}, context {opts.context}", result, opts.rows)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,9 @@ import os
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import graph_replay_ms, time_ms  # noqa: E402
+from bench.common import print_profile, profile_step  # noqa: E402
 from encoder import EncoderArgs  # noqa: E402
 from encoder.checkpoint import random_encoder  # noqa: E402
 
@@ -33,17 +32,8 @@ def main(argv=None):
         for impl in opts.impl:
             encoder.set_attention(impl)
             with torch.inference_mode():
-                fn = lambda: encoder.forward_global(views)  # noqa: E731
-                eager = time_ms(fn, 10)
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    fn()
-                    torch.cuda.synchronize()
-                events = prof.key_averages()
-                kernel_ms = sum(e.self_device_time_total for e in events) / 1e3
-                replay = graph_replay_ms(fn, 10)
-            print(f"\n=== batch {batch} {impl}: eager {eager:.2f} ms, kernels {kernel_ms:.2f} ms, "
-                  f"graph replay {replay:.2f} ms, launches {sum(e.count for e in events if e.device_type.name == 'CUDA')}")
-            print(events.table(sort_by="self_device_time_total", row_limit=opts.rows, max_name_column_width=60))
+                result = profile_step(lambda: encoder.forward_global(views))
+            print_profile(f"batch {batch} {impl}", result, opts.rows)
 
 
 if __name__ == "__main__":
