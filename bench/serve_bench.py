@@ -5,11 +5,11 @@
 Real vision dims, random weights (written once as a released-layout checkpoint), graphs on.
 In-process: `DualPathEncoder.encode_images` of one 1191x1684 page (p50 latency; preprocessing
 included, as in the router) and of 64 pages (batched as the planner cuts them); also encoding
-alone of pages preprocessed beforehand (the stricter baseline, reported beside the first). Through Serve (encode-only app: Router ->
-GlobalEncoder + LocalEncoder, no decoder): p50 of `handle.encode.remote(page)` one at a time, and
-pages/s with 64 requests in flight. Placements: "separate" (each encoder on its own GPU; needs 2)
-and "shared" (both encoders on one GPU at num_gpus 0.5 with memory caps); 4 router replicas
-(2 CPUs each) preprocess in parallel. Writes
+alone of pages preprocessed beforehand (the stricter baseline, reported beside the first).
+Through Serve (encode-only app: Router -> GlobalEncoder + LocalEncoder, no decoder): p50 of
+`handle.encode.remote(page)` one at a time, and pages/s with 64 requests in flight. Placements:
+"separate" (each encoder on its own GPU; needs 2) and "shared" (both encoders on one GPU at
+num_gpus 0.5 with memory caps); 4 router replicas (2 CPUs each) preprocess in parallel. Writes
 serve-<date>.json whose summary holds the worst ratio over the placements run.
 """
 from __future__ import annotations

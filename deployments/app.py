@@ -5,11 +5,11 @@
     serve run deployments/configs/gpu-shared.yaml        # placements and autoscaling
 
 Builder arguments (all optional): checkpoint, encode_only (no decoder: /v1/encode and
-`encode` only), max_images (graph budgets / batch limit of the
-encoders), max_batch and max_len (decoder), use_graphs (encoder and decode-step CUDA graphs; default
-on a GPU), gpu_memory_fraction_{global,local,decoder} and max_graph_memory_gb. Replica counts, GPUs and autoscaling belong in the Serve config YAML;
-the decorators ask for a quarter CPU each (a code default that lets the four replicas of the tiny
-CPU app fit on a 2-core machine).
+`encode` only), max_images (graph budgets / batch limit of the encoders), max_batch and max_len
+(decoder), use_graphs (encoder and decode-step CUDA graphs; default: on a GPU),
+gpu_memory_fraction_{global,local,decoder} and max_graph_memory_gb. Replica counts, GPUs and
+autoscaling belong in the Serve config YAML; the decorators ask for a quarter CPU each (a code
+default that lets the four replicas of the tiny CPU app fit on a 2-core machine).
 """
 from __future__ import annotations
 

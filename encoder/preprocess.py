@@ -367,7 +367,7 @@ def preprocess(
         grid = choose_grid(img.width, img.height, max_crops)
         # The two resizes of a page (~30 ms each) are independent and PIL releases the GIL
         # while resampling: tile on a helper thread while this one builds the global view.
-        tiles = _RESIZE_THREADS.submit(_tile, img, grid)
+        tiles = _resize_threads().submit(_tile, img, grid)
     global_img = _pad_to_square(img, size) if view_mode.pad else _stretch_to_square(img, size)
     crops = (tiles.result() if tiles is not None
              else torch.empty((0, 3, CROP_SIZE, CROP_SIZE), dtype=torch.uint8))
@@ -382,9 +382,18 @@ def preprocess(
     )
 
 
-# Shared by every caller (router threads, encode_images): bounded by the machine, not per call.
-_RESIZE_THREADS = ThreadPoolExecutor(max_workers=max(4, os.cpu_count() or 1),
-                                     thread_name_prefix="tile-resize")
+_RESIZE_THREADS: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _resize_threads() -> ThreadPoolExecutor:
+    """One pool per process, shared by every caller (router threads, encode_images), so it is
+    bounded by the machine, not per call. Per process: a forked child (a DataLoader worker, say)
+    inherits the parent's pool object but none of its threads, and would wait on it forever."""
+    global _RESIZE_THREADS
+    if _RESIZE_THREADS is None or _RESIZE_THREADS[0] != os.getpid():
+        _RESIZE_THREADS = (os.getpid(), ThreadPoolExecutor(max_workers=max(4, os.cpu_count() or 1),
+                                                           thread_name_prefix="tile-resize"))
+    return _RESIZE_THREADS[1]
 
 
 def _check_mode(mode) -> ViewMode:

@@ -771,3 +771,23 @@ def test_normalize_bit_identical_to_torchvision_ops():
 def test_normalize_rejects_float():
     with pytest.raises(TypeError):
         normalize(torch.zeros(3, dtype=torch.float32))
+
+
+def _tile_count_in_child(queue):
+    queue.put(preprocess(Image.new("RGB", (1191, 1684), (200, 10, 10))).crops.shape[0])
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_tiling_works_in_a_forked_child():
+    """Tiling runs on a helper thread pool; a child forked after the parent used it (a
+    DataLoader worker, say) must get its own pool instead of waiting on the parent's threads."""
+    import multiprocessing
+    for _ in range(8):  # fill the parent's pool with live threads
+        preprocess(Image.new("RGB", (1191, 1684)))
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_tile_count_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    assert not child.is_alive(), "preprocess hung in the forked child"
+    assert queue.get(timeout=5) == 6
