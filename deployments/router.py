@@ -2,9 +2,10 @@
 
 (No `from __future__ import annotations` here: FastAPI reads the endpoint annotations at runtime.)
 
-For each image: decode and tile on CPU (a worker thread, so the event loop stays free), send
-the global view to GlobalEncoder and the crops to LocalEncoder concurrently, stitch the image's
-sequence (local grid + newlines, global, separator), build the prompt, and call the Decoder.
+For each image: decode it and build the global view on CPU (a worker thread, so the event loop
+stays free), send the global view to GlobalEncoder while the crops are still being resized, then
+the crops to LocalEncoder, stitch the image's sequence (local grid + newlines, global,
+separator), build the prompt, and call the Decoder.
 """
 import asyncio
 import base64
@@ -25,10 +26,10 @@ from ray.serve.handle import DeploymentHandle
 
 from decoder import DEFAULT_PROMPT, build_prompt, load_tokenizer
 from decoder.prompt import count_image_tags
-from encoder import ImageError, preprocess
+from encoder import ImageError
 from encoder.checkpoint import read_tensors
 from encoder.model import assemble
-from encoder.preprocess import MAX_CROPS_LIMIT, MIN_CROPS, MODES
+from encoder.preprocess import MAX_CROPS_LIMIT, MIN_CROPS, MODES, start_preprocess
 
 from .model_source import resolve_checkpoint
 from .wire import from_wire, to_wire
@@ -127,8 +128,10 @@ class Router:
         self.recent: deque[dict] = deque(maxlen=1000)  # per-request stage timings
 
     def timings(self) -> dict:
-        """Median ms per stage (preprocess, encode, assemble) over the last 1,000 requests."""
-        keys = ("preprocess_ms", "encode_ms", "assemble_ms")
+        """Median ms per stage over the last 1,000 requests: preprocess (until the crops are
+        ready; the global view is already encoding by then), encode (until both paths
+        answered), assemble, and the whole encoding of the request."""
+        keys = ("preprocess_ms", "encode_ms", "assemble_ms", "total_ms")
         return {"requests": len(self.recent),
                 **{k: statistics.median(t[k] for t in self.recent) if self.recent else None
                    for k in keys}}
@@ -180,28 +183,41 @@ class Router:
     # -- internals ----------------------------------------------------------------------------
     async def _encode(self, images: list, options: dict):
         start = time.perf_counter()
-        items = await asyncio.gather(*(asyncio.to_thread(
-            preprocess, image, mode=options["mode"], max_crops=options["max_crops"]) for image in images))
-        timings = {"preprocess_ms": (time.perf_counter() - start) * 1e3}
-        start = time.perf_counter()
-        # All global and local calls in flight at once; each encoder batches across requests.
-        calls = [call_with_retry(self.global_encoder.encode, to_wire(item.global_view[None]))
-                 for item in items]
-        calls += [call_with_retry(self.local_encoder.encode, to_wire(item.crops))
-                  for item in items if item.tiled]
-        results = [from_wire(r) for r in await asyncio.gather(*calls)]
-        timings["encode_ms"] = (time.perf_counter() - start) * 1e3
-        start = time.perf_counter()
-        local = iter(results[len(items):])
-        seqs = []
-        for item, global_tokens in zip(items, results):
-            crops = next(local) if item.tiled else None
-            seq = assemble(global_tokens[0], crops, item.grid, self.newline, self.separator)
-            assert seq.shape[0] == item.num_tokens, (seq.shape, item.num_tokens)
-            seqs.append(seq)
-        timings["assemble_ms"] = (time.perf_counter() - start) * 1e3
+        results = await asyncio.gather(*(self._encode_one(image, options) for image in images))
+        seqs = [seq for seq, _ in results]
+        stages = [t for _, t in results]
+        timings = {"preprocess_ms": max(t["preprocess_ms"] for t in stages),
+                   "encode_ms": max(t["encode_ms"] for t in stages),
+                   "assemble_ms": sum(t["assemble_ms"] for t in stages),
+                   "total_ms": (time.perf_counter() - start) * 1e3}
         self.recent.append(timings)
         return seqs, timings
+
+    async def _encode_one(self, image, options: dict):
+        """One image: decode and build the global view (a worker thread, so the event loop
+        stays free), send it to GlobalEncoder at once while the crops are still being resized,
+        then send the crops to LocalEncoder; each encoder batches across requests. Stage times:
+        preprocess until the crops are ready, encode until both paths answered."""
+        start = time.perf_counter()
+        pending = await asyncio.to_thread(start_preprocess, image, options["mode"],
+                                          options["max_crops"])
+        global_call = asyncio.ensure_future(
+            call_with_retry(self.global_encoder.encode, to_wire(pending.global_view[None])))
+        try:
+            item = await asyncio.to_thread(pending.result)
+            ready = time.perf_counter()
+            crop_tokens = None
+            if item.tiled:
+                crop_tokens = from_wire(await call_with_retry(self.local_encoder.encode,
+                                                              to_wire(item.crops)))
+            global_tokens = from_wire(await global_call)
+        finally:
+            global_call.cancel()  # no-op when done; frees the call if this image failed
+        encoded = time.perf_counter()
+        seq = assemble(global_tokens[0], crop_tokens, item.grid, self.newline, self.separator)
+        assert seq.shape[0] == item.num_tokens, (seq.shape, item.num_tokens)
+        return seq, {"preprocess_ms": (ready - start) * 1e3, "encode_ms": (encoded - ready) * 1e3,
+                     "assemble_ms": (time.perf_counter() - encoded) * 1e3}
 
     def _prompt(self, seqs: list[torch.Tensor], options: dict):
         ids = build_prompt(self.tokenizer, options["prompt"], [s.shape[0] for s in seqs])

@@ -16,7 +16,7 @@ import io
 import math
 import os
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +28,7 @@ __all__ = [
     "MAX_IMAGE_PIXELS",
     "MODES",
     "ImageError",
+    "PendingImage",
     "PreprocessedImage",
     "ViewMode",
     "candidate_grids",
@@ -36,6 +37,7 @@ __all__ = [
     "load_image",
     "normalize",
     "preprocess",
+    "start_preprocess",
 ]
 
 CROP_SIZE = 640
@@ -356,6 +358,39 @@ def preprocess(
     max_pixels: int = MAX_IMAGE_PIXELS,
 ) -> PreprocessedImage:
     """Decode ``image`` and build its global view (and, in gundam mode, local crops)."""
+    return start_preprocess(image, mode, max_crops, max_pixels).result()
+
+
+@dataclass(frozen=True, eq=False)
+class PendingImage:
+    """An image whose global view is ready while its crops may still be resizing on a helper
+    thread: a caller can start encoding the global view before `result()` (the router does)."""
+
+    global_view: torch.Tensor
+    grid: tuple[int, int]
+    num_tokens: int
+    mode: str
+    original_size: tuple[int, int]
+    crops: Future | None  # the uint8 [P, 3, 640, 640] tiles; None when not tiled
+
+    @property
+    def tiled(self) -> bool:
+        return self.grid != (1, 1)
+
+    def result(self) -> PreprocessedImage:
+        crops = (self.crops.result() if self.crops is not None
+                 else torch.empty((0, 3, CROP_SIZE, CROP_SIZE), dtype=torch.uint8))
+        return PreprocessedImage(self.global_view, crops, self.grid, self.num_tokens, self.mode,
+                                 self.original_size)
+
+
+def start_preprocess(
+    image,
+    mode: str = "gundam",
+    max_crops: int = DEFAULT_MAX_CROPS,
+    max_pixels: int = MAX_IMAGE_PIXELS,
+) -> PendingImage:
+    """Like `preprocess`, but returns once the global view is built; the crops follow."""
     view_mode = _check_mode(mode)
     _check_max_crops(max_crops)
     img = load_image(image, max_pixels=max_pixels)
@@ -369,16 +404,13 @@ def preprocess(
         # while resampling: tile on a helper thread while this one builds the global view.
         tiles = _resize_threads().submit(_tile, img, grid)
     global_img = _pad_to_square(img, size) if view_mode.pad else _stretch_to_square(img, size)
-    crops = (tiles.result() if tiles is not None
-             else torch.empty((0, 3, CROP_SIZE, CROP_SIZE), dtype=torch.uint8))
-
-    return PreprocessedImage(
+    return PendingImage(
         global_view=_to_chw_uint8(global_img),
-        crops=crops,
         grid=grid,
         num_tokens=count_tokens(grid, base_size=size, crop_size=CROP_SIZE),
         mode=mode,
         original_size=img.size,
+        crops=tiles,
     )
 
 
