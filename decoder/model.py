@@ -9,7 +9,6 @@ Spec: DeepSeek's `modeling_deepseekv2.py` (MHA path, LlamaAttention) and MoE gat
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,19 +31,18 @@ class RMSNorm(nn.Module):
 
 
 def rope(positions: torch.Tensor, head_dim: int, theta: float, dtype):
-    """cos and signed sin [..., head_dim] for integer positions, computed in fp32 like the
-    reference: cos = [cos f, cos f], sin = [-sin f, sin f] (the rotate-half sign folded in)."""
+    """cos, sin [..., head_dim] for integer positions (computed in fp32, like the reference)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
     freqs = positions.float()[..., None] * inv_freq
-    return (torch.cat([freqs, freqs], dim=-1).cos().to(dtype),
-            torch.cat([-freqs, freqs], dim=-1).sin().to(dtype))
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x, cos, sin):
-    """x [B, n, T, d]; cos/sin [B, T, d] from `rope`: rotate-half RoPE,
-    x * cos + [-x2, x1] * [sin, sin] written as x * cos + [x2, x1] * [-sin, sin]
-    (one roll instead of a negation and a concatenation; the same values)."""
-    return torch.addcmul(x * cos[:, None], x.roll(x.shape[-1] // 2, dims=-1), sin[:, None])
+    """x [B, n, T, d]; cos/sin [B, T, d]: rotate-half RoPE."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return torch.addcmul(x * cos[:, None], rotated, sin[:, None])
 
 
 class KVCache:
@@ -74,10 +72,6 @@ class CacheStep:
     slot: int | None = None  # prefill: row b written into slot `slot + b` at positions 0..T-1
     positions: torch.Tensor | None = None  # decode: [S] position of each slot's new token
     kv_len: int = 0  # decode: attend over cache positions [0, kv_len)
-    # Decode, filled once per forward by Decoder.forward (not per layer): slot indices [S] and
-    # the key mask [S, 1, 1, kv_len] (cache positions up to each row's own).
-    rows: torch.Tensor | None = None
-    visible: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -100,11 +94,13 @@ class Attention(nn.Module):
                 step.cache.v[layer, step.slot:step.slot + bsz, :, :t] = v
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # one new token per running sequence
+            rows = torch.arange(bsz, device=x.device)
             cache_k, cache_v = step.cache.k[layer], step.cache.v[layer]
-            cache_k[step.rows, :, step.positions] = k[:, :, 0]
-            cache_v[step.rows, :, step.positions] = v[:, :, 0]
+            cache_k[rows, :, step.positions] = k[:, :, 0]
+            cache_v[rows, :, step.positions] = v[:, :, 0]
             keys, values = cache_k[:bsz, :, :step.kv_len], cache_v[:bsz, :, :step.kv_len]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.visible)
+            visible = torch.arange(step.kv_len, device=x.device)[None] <= step.positions[:, None]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None, None])
         return self.o_proj(out.transpose(1, 2).reshape(bsz, t, -1))
 
 
@@ -132,20 +128,14 @@ class Gate(nn.Module):
         return weights * self.scaling, experts
 
 
-def grouped_mm(x, w, ends):
-    """x [N, K] rows sorted by group, w [G, M, K] (Linear layout), ends [G] int32 (where each
-    group's rows end: the cumulative counts) -> [N, M]."""
+def grouped_mm(x, w, counts):
+    """x [N, K] rows sorted by group, w [G, M, K] (Linear layout), counts [G] -> [N, M]."""
     # One kernel for all groups: Hopper's grouped GEMM in bf16 on CUDA; torch's fallback on CPU.
     if hasattr(torch, "_grouped_mm") and (x.dtype == torch.bfloat16 or not x.is_cuda):
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
-    return grouped_mm_loop(x, w, ends)
-
-
-def grouped_mm_loop(x, w, ends):
-    """`grouped_mm` one matmul per group (waits on the GPU for the group sizes): the fallback
-    and the reference for the grouped kernel."""
-    ends = ends.tolist()
-    return torch.cat([x[start:end] @ w[g].t() for g, (start, end) in enumerate(zip([0] + ends, ends))])
+        offs = counts.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    parts = x.split(counts.tolist())
+    return torch.cat([p @ w[g].t() for g, p in enumerate(parts)])
 
 
 class Experts(nn.Module):
@@ -157,17 +147,18 @@ class Experts(nn.Module):
     def forward(self, x, weights, experts):
         """x [N, H]; weights, experts [N, k] -> sum_j weights[:, j] * expert_j(x)."""
         n, k = experts.shape
-        sorted_experts, order = experts.flatten().sort(stable=True)  # (token, choice) by expert
-        # Where each expert's rows end, read off the sorted ids on the device (bincount would
-        # size its output from the data and so wait on the GPU every layer).
-        expert_ids = torch.arange(self.gate_up_proj.shape[0], device=x.device)
-        ends = torch.searchsorted(sorted_experts, expert_ids, right=True, out_int32=True)
-        token = order // k
-        gate, up = grouped_mm(x[token], self.gate_up_proj, ends).chunk(2, dim=-1)
-        ys = grouped_mm(F.silu(gate) * up, self.down_proj, ends)
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # (token, choice) pairs sorted by expert
+        # Tokens per expert. scatter_add into a fixed-size buffer: bincount would size its
+        # output from the data and so wait on the GPU every layer.
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.long, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        xs = x[order // k]
+        gate, up = grouped_mm(xs, self.gate_up_proj, counts).chunk(2, dim=-1)
+        ys = grouped_mm(F.silu(gate) * up, self.down_proj, counts)
         # Combine in fp32 as DeepSeek's moe_infer does, then back to the activation dtype.
         out = torch.zeros(n, x.shape[-1], device=x.device, dtype=torch.float32)
-        out.index_add_(0, token, ys.float() * weights.flatten()[order, None])
+        out.index_add_(0, order // k, ys.float() * weights.flatten()[order, None])
         return out.to(x.dtype)
 
 
@@ -239,10 +230,6 @@ class Decoder(nn.Module):
         if positions is None:
             positions = torch.arange(t, device=x.device).expand(bsz, t)
         cos, sin = rope(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
-        if step is not None and step.slot is None:  # decode: per-step indices, once for all layers
-            rows = torch.arange(bsz, device=x.device)
-            visible = torch.arange(step.kv_len, device=x.device)[None] <= step.positions[:, None]
-            step = dataclasses.replace(step, rows=rows, visible=visible[:, None, None])
         for layer in self.model.layers:
             x = layer(x, cos, sin, step)
         if last_only:
