@@ -168,13 +168,13 @@ def autoscale(checkpoint, layout, low, high, low_s, high_s, max_tokens, smoke) -
     async def load(concurrency: int, seconds: float, offset: int):
         deadline, done, i = time.perf_counter() + seconds, [], offset
 
-        async def worker(k):
+        async def worker():
             nonlocal i
             while time.perf_counter() < deadline:
                 i += 1
                 await handle.ocr.remote(image(i), max_tokens=max_tokens)
                 done.append(1)
-        await asyncio.gather(*(worker(k) for k in range(concurrency)))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
         return len(done)
 
     poller = threading.Thread(target=poll, daemon=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -25,24 +24,24 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import options, write_result  # noqa: E402
-from bench.graph_bench import SIZES, image  # noqa: E402
+from bench.graph_bench import SIZES, image, wall_ms  # noqa: E402
 from encoder import EncoderArgs, load_encoder, preprocess, write_random_checkpoint  # noqa: E402
 from encoder.graphs import DualPathEncoder  # noqa: E402
 
 PAGES = 64
 ROUTERS = 4
+ITERS, WARMUP = 30, 5  # p50 of 30 calls after 5 warm-ups
 TARGETS = {"latency_ratio_p50": 1.25, "throughput_ratio_c64": 0.85}
 
 
-def p50_ms(fn, iters: int = 30, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def pages_per_s(fn) -> float:
+    """`fn` encodes PAGES pages: one warm-up call, then one timed call (CUDA synced)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return PAGES / (time.perf_counter() - start)
 
 
 def in_process(checkpoint: str, page) -> dict:
@@ -51,24 +50,11 @@ def in_process(checkpoint: str, page) -> dict:
     encoder = load_encoder(checkpoint, device="cuda", dtype=torch.bfloat16)
     engine = DualPathEncoder(encoder, max_items=32)
     item = preprocess(page)
-
-    def synced(fn):
-        def call():
-            fn()
-            torch.cuda.synchronize()
-        return call
-
-    def pages_per_s(fn) -> float:
-        fn()  # warm-up
-        start = time.perf_counter()
-        fn()
-        return PAGES / (time.perf_counter() - start)
-
-    return {"p50_ms": p50_ms(synced(lambda: engine.encode_images(page))),
-            "pages_per_s_c64": pages_per_s(synced(lambda: engine.encode_images([page] * PAGES))),
-            "encode_only_p50_ms": p50_ms(synced(lambda: engine.encode([item]))),
-            "encode_only_pages_per_s_c64": pages_per_s(synced(lambda: engine.encode([item] * PAGES))),
-            "preprocess_p50_ms": p50_ms(lambda: preprocess(page))}
+    return {"p50_ms": wall_ms(lambda: engine.encode_images(page), ITERS, WARMUP),
+            "pages_per_s_c64": pages_per_s(lambda: engine.encode_images([page] * PAGES)),
+            "encode_only_p50_ms": wall_ms(lambda: engine.encode([item]), ITERS, WARMUP),
+            "encode_only_pages_per_s_c64": pages_per_s(lambda: engine.encode([item] * PAGES)),
+            "preprocess_p50_ms": wall_ms(lambda: preprocess(page), ITERS, WARMUP)}
 
 
 def through_serve(checkpoint: str, page, placement: str) -> dict:
@@ -87,14 +73,12 @@ def through_serve(checkpoint: str, page, placement: str) -> dict:
     router = Router.options(num_replicas=ROUTERS, ray_actor_options={"num_cpus": 2}).bind(
         *encoders, None, checkpoint)
     handle = serve.run(router, name=f"bench-{placement}", route_prefix=f"/{placement}")
-    latency = p50_ms(lambda: handle.encode.remote(page).result())
+    latency = wall_ms(lambda: handle.encode.remote(page).result(), ITERS, WARMUP)
     stages = handle.timings.remote().result()  # one router's stage times, one page at a time
-    [r.result() for r in [handle.encode.remote(page) for _ in range(PAGES)]]  # warm-up
-    start = time.perf_counter()
-    [r.result() for r in [handle.encode.remote(page) for _ in range(PAGES)]]
-    seconds = time.perf_counter() - start
+    throughput = pages_per_s(lambda: [r.result() for r in [handle.encode.remote(page)
+                                                          for _ in range(PAGES)]])
     serve.delete(f"bench-{placement}")
-    return {"p50_ms": latency, "pages_per_s_c64": PAGES / seconds, "router_stages_p50_ms": stages}
+    return {"p50_ms": latency, "pages_per_s_c64": throughput, "router_stages_p50_ms": stages}
 
 
 def main(argv=None):

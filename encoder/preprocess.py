@@ -373,10 +373,6 @@ class PendingImage:
     original_size: tuple[int, int]
     crops: Future | None  # the uint8 [P, 3, 640, 640] tiles; None when not tiled
 
-    @property
-    def tiled(self) -> bool:
-        return self.grid != (1, 1)
-
     def result(self) -> PreprocessedImage:
         crops = (self.crops.result() if self.crops is not None
                  else torch.empty((0, 3, CROP_SIZE, CROP_SIZE), dtype=torch.uint8))
