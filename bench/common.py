@@ -8,7 +8,7 @@ import statistics
 
 import torch
 
-from encoder.graphs import capture_graph
+from common.cuda_graphs import capture_graph
 
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")

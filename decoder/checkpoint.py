@@ -2,8 +2,9 @@
 
 The released keys are used unchanged on disk. In memory the routed experts are packed (see
 decoder/model.py): `experts.{e}.gate_proj` and `up_proj` rows become `gate_up_proj[e]`,
-`down_proj` becomes `down_proj[e]`. Reading, validation and writing reuse the encoder's
-checkpoint helpers, so both halves of a checkpoint follow the same rules and errors.
+`down_proj` becomes `down_proj[e]`. Reading, validation and writing go through
+`common.checkpoint` (shared with the encoder), so both halves of a checkpoint follow the same
+rules and errors.
 """
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ import os
 
 import torch
 
-from encoder.checkpoint import (build_module, check_state_dict, random_state_dict, read_tensors,
-                                write_random_checkpoint)
-from encoder.config import EncoderArgs, read_config
+from common.checkpoint import (build_module, check_state_dict, random_state_dict, read_config,
+                               read_tensors)
 
 from .config import DecoderArgs
 from .model import Decoder
@@ -79,12 +79,3 @@ def random_decoder(args: DecoderArgs, device="cpu", dtype=torch.float32, seed: i
     """A random decoder without the disk (benchmarks); weights drawn on `device`."""
     return build_decoder(args, random_state_dict(released_shapes(args), seed, device), device, dtype)
 
-
-def write_random_model(path, vision: EncoderArgs | None = None, language: DecoderArgs | None = None,
-                       seed: int = 0, dtype=torch.bfloat16, num_shards: int | None = None) -> str:
-    """A whole random DeepSeek-OCR checkpoint (vision + language) in the released layout;
-    tiny dims by default (the app's default model when no checkpoint is given)."""
-    vision, language = vision or EncoderArgs.tiny(), language or DecoderArgs.tiny()
-    extra = {k: v.to(dtype) for k, v in random_state_dict(released_shapes(language), seed + 1).items()}
-    return write_random_checkpoint(path, vision, seed, dtype=dtype, num_shards=num_shards,
-                                   extra_config=language.to_config(), extra_tensors=extra)

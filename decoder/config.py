@@ -7,7 +7,7 @@ renormalisation; anything else in the config is refused rather than silently mis
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,6 @@ class DecoderArgs:
         """Real vocabulary size (so the real special-token ids exist), tiny everything else."""
         return cls(hidden=64, n_layers=3, n_heads=4, intermediate=128, n_experts=8,
                    moe_intermediate=32, top_k=2, max_positions=4096, name="tiny-random")
-
-    def with_(self, **changes) -> "DecoderArgs":
-        return replace(self, **changes)
 
     @classmethod
     def from_config(cls, config: dict) -> "DecoderArgs":

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from encoder.graphs import capture_graph
+from common.cuda_graphs import capture_graph
 
 from .model import CacheStep, Decoder, KVCache
 
@@ -46,7 +46,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple] = {}
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(model.device)  # own cuBLAS workspace (encoder.graphs.capture_graph)
+        stream = torch.cuda.Stream(model.device)  # own cuBLAS workspace (see capture_graph)
         for key in sorted(itertools.product(self.batches, self.contexts), reverse=True):
             self.graphs[key] = self._capture(*key, pool, stream)  # largest first: the rest reuse its pool
         log.info("decode graphs: %d captured in %.1f s", len(self.graphs), time.perf_counter() - start)

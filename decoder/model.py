@@ -56,7 +56,6 @@ class KVCache:
         shape = (args.n_layers, max_seqs, args.n_heads, max_len, args.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.max_seqs, self.max_len = max_seqs, max_len
 
     def move(self, src: int, dst: int) -> None:
         """Copy slot src into slot dst (compaction when a sequence leaves)."""

@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass
 
-import torch
-
 from .tokenizer import TD_CLOSE_ID, TD_ID
 
 
@@ -56,7 +54,7 @@ class NGramConfig:
 
 class NoRepeatNGram:
     """Incremental state of the rule for one request: `push` each generated token, then
-    `banned()` / `apply(logits_row)` before picking the next."""
+    `banned()` before picking the next."""
 
     def __init__(self, ngram_size: int = 30, window: int = 90,
                  whitelist=(TD_ID, TD_CLOSE_ID)):
@@ -92,13 +90,3 @@ class NoRepeatNGram:
         # Before n tokens the table is empty, so nothing is banned, as in the reference.
         counts = self._next_tokens.get(tuple(self._last))
         return set(counts) - self.whitelist if counts else set()
-
-    def apply(self, logits_row: torch.Tensor) -> None:
-        """Set the banned tokens' logits to -inf, in place."""
-        if logits_row.dim() != 1:
-            raise ValueError(f"expected one row of logits (1-D), got shape "
-                             f"{tuple(logits_row.shape)}")
-        banned = self.banned()
-        if banned:
-            index = torch.tensor(sorted(banned), dtype=torch.long, device=logits_row.device)
-            logits_row[index] = float("-inf")

@@ -1,4 +1,4 @@
-"""Tokenizers for DeepSeek-OCR, streaming detokenisation and stop-string helpers.
+"""Tokenizers for DeepSeek-OCR, its prompt format, streaming detokenisation and stop strings.
 
 Two tokenizers share one small interface (`encode`, `decode`, `bos_id`, `eos_id`, `vocab_size`,
 `name`, `is_random`):
@@ -124,6 +124,74 @@ def load_tokenizer(path: str | os.PathLike | None) -> HFTokenizer | ByteTokenize
     if not file.is_file():
         raise ValueError(f"no tokenizer.json at {file}")
     return HFTokenizer(file)
+
+
+def byte_tokenizer_json() -> str:
+    """A `tokenizer.json` that encodes exactly as `ByteTokenizer`: a byte-level BPE with no merges
+    (byte b -> id 3 + b) and DeepSeek-OCR's special tokens at their real ids. Random checkpoints
+    carry it, so the real tokenizer loading path serves them."""
+    import json
+
+    vocab = {char: ByteTokenizer.BYTE_OFFSET + b for b, char in _gpt2_byte_chars().items()}
+    vocab.update(SPECIAL_TOKENS)
+    added = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True} for s, i in SPECIAL_TOKENS.items()]
+    return json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                          "use_regex": True},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                    "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                  "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": []},
+    }, ensure_ascii=False)
+
+
+def _gpt2_byte_chars() -> dict[int, str]:
+    """The printable character ByteLevel pre-tokenisation maps each byte to (GPT-2's table)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+# -- prompts: BOS, then the text with each `<image>` tag replaced by a run of image placeholder
+# ids (one per image embedding), no role tags and no EOS.
+DEFAULT_PROMPT = "<image>\n<|grounding|>Convert the document to markdown."
+
+
+def count_image_tags(prompt: str) -> int:
+    return prompt.count(IMAGE_TOKEN)
+
+
+def build_prompt(tokenizer, prompt: str, image_token_counts: list[int]) -> list[int]:
+    """Token ids of `prompt`, its i-th `<image>` tag expanded to `image_token_counts[i]`
+    placeholder ids (the number of embeddings the encoder makes for image i)."""
+    chunks = prompt.split(IMAGE_TOKEN)
+    tags, images = len(chunks) - 1, len(image_token_counts)
+    if tags != images:
+        raise ValueError(f"prompt has {tags} {IMAGE_TOKEN} tag{'' if tags == 1 else 's'} but "
+                         f"{images} image{' was' if images == 1 else 's were'} given")
+    for count in image_token_counts:
+        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+            raise ValueError(f"image token counts must be positive ints, got {count!r}")
+    ids = [BOS_ID]
+    for i, chunk in enumerate(chunks):
+        if i:
+            ids += [IMAGE_TOKEN_ID] * image_token_counts[i - 1]
+        if chunk:
+            ids += tokenizer.encode(chunk)
+    return ids
 
 
 class IncrementalDecoder:

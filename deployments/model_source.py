@@ -1,5 +1,10 @@
 """Which weights the replicas serve: a released-layout checkpoint directory, or the tiny random
-default (written once per machine, deterministically, so every replica loads the same model)."""
+default (written once per machine, deterministically, so every replica loads the same model).
+
+`write_random_model` is the one writer of a whole random checkpoint (vision + language +
+`tokenizer.json`) in the released layout: the tiny default, test checkpoints and real-dims
+benchmark checkpoints all come from it.
+"""
 from __future__ import annotations
 
 import os
@@ -7,10 +12,30 @@ import tempfile
 
 import torch
 
-from decoder.checkpoint import write_random_model
+from common.checkpoint import random_state_dict, save_checkpoint
+from decoder.checkpoint import released_shapes
+from decoder.config import DecoderArgs
+from decoder.tokenizer import byte_tokenizer_json
+from encoder.checkpoint import vision_shapes
+from encoder.config import EncoderArgs
 
 TINY_LABEL = "tiny-random (RANDOMLY INITIALISED weights: outputs are meaningless)"
-_TINY_DIR = os.path.join(tempfile.gettempdir(), "deepseek-ocr-serve-tiny-random-v1")
+_TINY_DIR = os.path.join(tempfile.gettempdir(), "deepseek-ocr-serve-tiny-random-v2")
+
+
+def write_random_model(path, vision: EncoderArgs | None = None, language: DecoderArgs | None = None,
+                       seed: int = 0, dtype=torch.bfloat16, num_shards: int | None = None) -> str:
+    """A whole random DeepSeek-OCR checkpoint in the released layout: `config.json`, the vision
+    and language tensors (one file or `num_shards` shards) and a byte-level `tokenizer.json` with
+    DeepSeek's special-token ids. Tiny dims by default. Returns the directory."""
+    vision, language = vision or EncoderArgs.tiny(), language or DecoderArgs.tiny()
+    tensors = (random_state_dict(vision_shapes(vision), seed)
+               | random_state_dict(released_shapes(language), seed + 1))
+    save_checkpoint(path, vision.to_config() | language.to_config(),
+                    {k: v.to(dtype) for k, v in tensors.items()}, num_shards)
+    with open(os.path.join(path, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(byte_tokenizer_json())
+    return os.fspath(path)
 
 
 def resolve_checkpoint(checkpoint: str | None) -> tuple[str, str]:
@@ -19,7 +44,7 @@ def resolve_checkpoint(checkpoint: str | None) -> tuple[str, str]:
         if not os.path.isfile(os.path.join(checkpoint, "config.json")):
             raise FileNotFoundError(f"checkpoint {checkpoint!r} has no config.json")
         return checkpoint, os.path.basename(os.path.normpath(checkpoint))
-    if not os.path.isfile(os.path.join(_TINY_DIR, "model.safetensors")):
+    if not os.path.isfile(os.path.join(_TINY_DIR, "tokenizer.json")):
         # Replicas on one node may race here: each writes its own copy, then renames it in.
         staging = tempfile.mkdtemp(prefix="tiny-", dir=os.path.dirname(_TINY_DIR))
         write_random_model(staging, seed=0, dtype=torch.float32)

@@ -8,9 +8,7 @@ tiny checkpoints write, and fall back to the released values otherwise.
 """
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -78,9 +76,6 @@ class EncoderArgs:
                    sam_out_chans=16, downsample_channels=(32, 64), clip_width=64, clip_depth=2,
                    clip_heads=4, n_embed=64, name="tiny-random")
 
-    def with_(self, **changes) -> "EncoderArgs":
-        return replace(self, **changes)
-
     # -- released config.json layout --------------------------------------------------------
     @classmethod
     def from_config(cls, config: dict) -> "EncoderArgs":
@@ -141,16 +136,4 @@ class EncoderArgs:
         }
 
 
-def read_config(path: str | os.PathLike) -> dict:
-    """Load `config.json` from a checkpoint directory, with a clear error when it is absent."""
-    file = os.path.join(os.fspath(path), "config.json")
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"no config.json in checkpoint directory {os.fspath(path)!r}")
-    with open(file) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{file} is not valid JSON: {e}") from None
-
-
-__all__ = ["EncoderArgs", "read_config"]
+__all__ = ["EncoderArgs"]

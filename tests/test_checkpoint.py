@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from encoder import CheckpointError, EncoderArgs, load_encoder, write_random_checkpoint
-from encoder.checkpoint import INDEX_FILE, SINGLE_FILE
+from common.checkpoint import INDEX_FILE, SINGLE_FILE
 
 PIXELS = torch.randint(0, 256, (1, 3, 640, 640), dtype=torch.uint8,
                        generator=torch.Generator().manual_seed(0))

@@ -5,11 +5,12 @@ import os
 import pytest
 import torch
 
-from decoder.checkpoint import load_decoder, released_shapes, write_random_model
+from common.checkpoint import SINGLE_FILE
+from decoder.checkpoint import load_decoder, released_shapes
 from decoder.config import DecoderArgs
 from decoder.model import grouped_mm
+from deployments.model_source import write_random_model
 from encoder import CheckpointError, EncoderArgs
-from encoder.checkpoint import SINGLE_FILE
 from tests.reference import deepseek_ocr2_text_model
 
 # Real head dim (128) and top-6 of 16 experts; small widths and depth.

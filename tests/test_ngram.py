@@ -1,5 +1,4 @@
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -71,27 +70,6 @@ def test_table_cell_tags_are_never_banned(cell):
     assert pushed(tokens, ngram_size=2, window=10).banned() == set()  # prefix 9 -> cell
     assert pushed(tokens + [cell], ngram_size=2, window=10).banned() == {9}
     assert pushed(tokens, ngram_size=2, window=10, whitelist=()).banned() == {cell}
-
-
-def test_apply_sets_only_banned_logits_to_minus_inf():
-    rule = pushed([5, 6, 7, 5, 6, 9, 5, 6], ngram_size=3, window=20)
-    row = torch.arange(12, dtype=torch.float32)
-    rule.apply(row)
-    expected = torch.arange(12, dtype=torch.float32)
-    expected[[7, 9]] = float("-inf")
-    assert torch.equal(row, expected)
-
-
-def test_apply_without_bans_leaves_the_row():
-    row = torch.randn(16)
-    before = row.clone()
-    pushed([1, 2, 3], ngram_size=2, window=10).apply(row)
-    assert torch.equal(row, before)
-
-
-def test_apply_rejects_a_batch():
-    with pytest.raises(ValueError, match="1-D"):
-        pushed([1, 1], ngram_size=2, window=4).apply(torch.zeros(2, 8))
 
 
 @pytest.mark.parametrize("n, window, message", [
