@@ -6,8 +6,9 @@ The local path also has the implicit budget 0: a batch with no crops skips the p
 
 Budgets grow geometrically from one unit: next = max(prev + 1, floor(prev * growth)) units, so
 the step is at most `growth` (1.5 by default) except where one unit is already a bigger step
-(1 -> 2), and the last budget is exactly the maximum. vLLM's PR doubles (2x) and pads up to half
-of a batch; 1.5x bounds the padding at a third, at the cost of a few more graphs.
+(1 -> 2), and the last budget is exactly the maximum. vLLM's PR doubles (2x; bench/baselines.py)
+and pads up to half of a batch; 1.5x bounds the padding at a third, at the cost of a few more
+graphs.
 """
 from __future__ import annotations
 
@@ -98,12 +99,3 @@ def default_budgets(max_images: int = 32, max_crops_per_image: int = 6,
     return (PathBudgets("global", GLOBAL_UNIT_TOKENS, tuple(u * GLOBAL_UNIT_TOKENS for u in global_units)),
             PathBudgets("local", LOCAL_UNIT_TOKENS,
                         tuple(u * LOCAL_UNIT_TOKENS for u in fill_gaps(local_units, growth))))
-
-
-def doubling_budgets(max_images: int = 32, max_crops_per_image: int = 6) -> tuple[PathBudgets, PathBudgets]:
-    """vLLM PR #43586's scheme, for comparison: 1, 2, 4, 8, ... units plus the exact max."""
-    def doubling(name, unit, max_units):
-        units = sorted({min(1 << i, max_units) for i in range(max_units.bit_length() + 1)})
-        return PathBudgets.explicit(name, unit, [u * unit for u in units])
-    return (doubling("global", GLOBAL_UNIT_TOKENS, max_images),
-            doubling("local", LOCAL_UNIT_TOKENS, max_images * max_crops_per_image))

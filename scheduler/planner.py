@@ -8,9 +8,9 @@ largest budget forms a batch of its own in which that path runs eagerly (the oth
 replays its graph).
 
 Algorithm. Items are sorted by token need, largest first (ties keep queue order), as vLLM's
-sorted-greedy does. Greedy then closes a batch as soon as the next item does not fit. We instead
-cut the same sorted order into contiguous batches by dynamic programming, minimising first the
-number of batches and then the padded tokens:
+sorted-greedy does. Greedy then closes a batch as soon as the next item does not fit (kept in
+bench/baselines.py for comparison). We instead cut the same sorted order into contiguous batches
+by dynamic programming, minimising first the number of batches and then the padded tokens:
 
     best[i] = min over j of best[j] + (1 batch, padding(order[j:i]))   for feasible order[j:i]
 
@@ -107,14 +107,11 @@ class Plan:
 
 
 class Planner:
-    def __init__(self, global_budgets: PathBudgets, local_budgets: PathBudgets, max_items: int,
-                 strategy: str = "dp"):
+    def __init__(self, global_budgets: PathBudgets, local_budgets: PathBudgets, max_items: int):
         if max_items < 1:
             raise ValueError(f"max_items must be >= 1, got {max_items}")
-        if strategy not in ("dp", "greedy"):
-            raise ValueError(f"unknown strategy {strategy!r}; expected 'dp' or 'greedy'")
         self.global_budgets, self.local_budgets = global_budgets, local_budgets
-        self.max_items, self.strategy = max_items, strategy
+        self.max_items = max_items
 
     def _oversized(self, item: Item) -> bool:
         return (item.global_views > self.global_budgets.max_units
@@ -147,20 +144,11 @@ class Planner:
         order = sorted(range(len(items)),
                        key=lambda i: (-(items[i].global_views * self.global_budgets.unit
                                         + items[i].crops * self.local_budgets.unit), i))
-        cuts = self._greedy_cuts(items, order) if self.strategy == "greedy" else self._dp_cuts(items, order)
+        cuts = self._cuts(items, order)
         return Plan([self._batch(items, order[a:b]) for a, b in zip(cuts, cuts[1:])])
 
-    def _greedy_cuts(self, items, order) -> list[int]:
-        """Close a batch as soon as the next item does not fit in it."""
-        if not order:
-            return [0]
-        cuts = [0]
-        for end in range(2, len(order) + 1):
-            if cuts[-1] not in self._segments(items, order, end):
-                cuts.append(end - 1)
-        return cuts + [len(order)]
-
-    def _dp_cuts(self, items, order) -> list[int]:
+    def _cuts(self, items, order) -> list[int]:
+        """Batch boundaries in `order` (0 first, len(order) last), by dynamic programming."""
         n = len(order)
         best: list[tuple[int, int] | None] = [None] * (n + 1)
         prev = [0] * (n + 1)

@@ -3,8 +3,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.baselines import GreedyPlanner, doubling_budgets
 from scheduler import (GLOBAL_UNIT_TOKENS, LOCAL_UNIT_TOKENS, Item, PathBudgets, PathStats, Planner,
-                       default_budgets, doubling_budgets, fill_gaps, geometric_units, path_plan)
+                       default_budgets, fill_gaps, geometric_units, path_plan)
 
 
 def test_geometric_units():
@@ -64,9 +65,10 @@ items_st = st.lists(st.builds(Item, st.integers(0, 2), st.integers(0, 12)), max_
 budget_st = st.lists(st.integers(1, 40), min_size=1, max_size=6, unique=True)
 
 
-def make_planner(g_units, l_units, max_items, strategy):
-    return Planner(PathBudgets.explicit("global", 272, [u * 272 for u in g_units]),
-                   PathBudgets.explicit("local", 100, [u * 100 for u in l_units]), max_items, strategy)
+def make_planner(g_units, l_units, max_items, strategy="dp"):
+    planner = {"dp": Planner, "greedy": GreedyPlanner}[strategy]
+    return planner(PathBudgets.explicit("global", 272, [u * 272 for u in g_units]),
+                   PathBudgets.explicit("local", 100, [u * 100 for u in l_units]), max_items)
 
 
 @settings(max_examples=300, deadline=None)
@@ -132,8 +134,6 @@ def test_empty_queue_and_bad_args():
     assert make_planner([1], [1], 1, "dp").plan([]).batches == []
     with pytest.raises(ValueError, match="max_items"):
         make_planner([1], [1], 0, "dp")
-    with pytest.raises(ValueError, match="strategy"):
-        make_planner([1], [1], 1, "best")
     with pytest.raises(ValueError, match="negative"):
         make_planner([1], [1], 1, "dp").plan([Item(1, -1)])
 
