@@ -23,7 +23,7 @@ from bench.common import options, rel_err, write_result  # noqa: E402
 from bench.graph_bench import SIZES, image, on_gpu, wall_ms  # noqa: E402
 from encoder import EncoderArgs, preprocess  # noqa: E402
 from encoder.checkpoint import random_encoder  # noqa: E402
-from encoder.graphs import DualPathEncoder  # noqa: E402
+from encoder import DualPathEncoder  # noqa: E402
 from scheduler import PathBudgets  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def main(argv=None):
     rows, outputs = {}, {}
     for name, compile_ in [("plain", False), ("compiled", True)]:
         start = time.perf_counter()
-        engine = DualPathEncoder(encoder, budgets, max_items=opts.pages, compile=compile_)
+        engine = DualPathEncoder(encoder, budgets, max_images=opts.pages, compile=compile_)
         setup_s = time.perf_counter() - start
         with torch.inference_mode():
             outputs[name] = engine.encode(pages)[0]

@@ -31,8 +31,9 @@ from bench.common import options, rel_err, write_result  # noqa: E402
 from encoder import EncoderArgs, preprocess  # noqa: E402
 from encoder.checkpoint import random_encoder  # noqa: E402
 from encoder.flops import view_flops  # noqa: E402
-from encoder.graphs import DualPathEncoder  # noqa: E402
-from scheduler import Item, Planner, default_budgets, doubling_budgets  # noqa: E402
+from bench.baselines import GreedyPlanner, doubling_budgets  # noqa: E402
+from encoder import DualPathEncoder  # noqa: E402
+from scheduler import Item, Planner, default_budgets  # noqa: E402
 
 SIZES = {"224x224": (224, 224), "448x448": (448, 448), "896x896": (896, 896),
          "1024x1024": (1024, 1024), "page-1191x1684": (1191, 1684)}
@@ -77,11 +78,11 @@ def padding_comparison(seed: int = 0, queues: int = 2000, max_items: int = 32, m
                   for g in rng.choices(grids, weights, k=rng.randint(1, max_queue))]
                  for _ in range(queues)]
     out = {}
-    for name, budgets, strategy in [("2x_greedy", doubling_budgets(max_items), "greedy"),
-                                    ("ours_1.5x_dp", default_budgets(max_items), "dp"),
-                                    ("ours_1.5x_greedy", default_budgets(max_items), "greedy"),
-                                    ("2x_dp", doubling_budgets(max_items), "dp")]:
-        planner = Planner(*budgets, max_items, strategy)
+    for name, budgets, planner_type in [("2x_greedy", doubling_budgets(max_items), GreedyPlanner),
+                                        ("ours_1.5x_dp", default_budgets(max_items), Planner),
+                                        ("ours_1.5x_greedy", default_budgets(max_items), GreedyPlanner),
+                                        ("2x_dp", doubling_budgets(max_items), Planner)]:
+        planner = planner_type(*budgets, max_items)
         plans = [planner.plan(items) for items in snapshots]
         padded = sum(p.padded_tokens for p in plans)
         computed = sum(p.computed_tokens for p in plans)
@@ -99,9 +100,9 @@ def main(argv=None):
     encoder = random_encoder(args, device="cuda", dtype=torch.bfloat16)
     weights_gb = torch.cuda.memory_allocated() / 2 ** 30
 
-    graphs = DualPathEncoder(encoder, max_items=32)
-    capture = graphs.stats()["capture"]
-    eager = DualPathEncoder(encoder, max_items=32, use_graphs=False)
+    graphs = DualPathEncoder(encoder, max_images=32)  # what every encoder replica runs
+    capture = {path: stats["capture"] for path, stats in graphs.stats().items()}
+    eager = DualPathEncoder(encoder, max_images=32, use_graphs=False)
     print(f"graph memory {graphs.graph_memory_bytes / 2**30:.2f} GB, capture "
           f"{capture['global']['seconds'] + capture['local']['seconds']:.1f} s", flush=True)
 

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import options, write_result  # noqa: E402
 from bench.graph_bench import SIZES, image, wall_ms  # noqa: E402
 from encoder import EncoderArgs, load_encoder, preprocess, write_random_checkpoint  # noqa: E402
-from encoder.graphs import DualPathEncoder  # noqa: E402
+from encoder import DualPathEncoder  # noqa: E402
 
 PAGES = 64
 ROUTERS = 4
@@ -48,7 +48,7 @@ def in_process(checkpoint: str, page) -> dict:
     """The same work without Serve: `encode_images` (preprocessing included, as the router does
     it) for one page and for 64 pages; also encoding alone, of pages preprocessed beforehand."""
     encoder = load_encoder(checkpoint, device="cuda", dtype=torch.bfloat16)
-    engine = DualPathEncoder(encoder, max_items=32)
+    engine = DualPathEncoder(encoder, max_images=32)
     item = preprocess(page)
     return {"p50_ms": wall_ms(lambda: engine.encode_images(page), ITERS, WARMUP),
             "pages_per_s_c64": pages_per_s(lambda: engine.encode_images([page] * PAGES)),
@@ -61,17 +61,19 @@ def through_serve(checkpoint: str, page, placement: str) -> dict:
     """The encode-only app with this placement (what a Serve config's ray_actor_options set)."""
     from ray import serve
 
+    from deployments.config import AppConfig
     from deployments.encoders import PathEncoder
     from deployments.router import Router
     gpus = {"separate": (1.0, 1.0), "shared": (0.5, 0.5)}[placement]
     memory = {"separate": (None, None), "shared": (0.3, 0.6)}[placement]
+    config = AppConfig(checkpoint=checkpoint, encode_only=True, gpu_memory_fraction_global=memory[0],
+                       gpu_memory_fraction_local=memory[1])
     encoders = [PathEncoder.options(name=f"{path.capitalize()}Encoder",
-                                    ray_actor_options={"num_cpus": 2, "num_gpus": g})
-                .bind(path, checkpoint, 32, None, fraction, None)
-                for path, g, fraction in zip(("global", "local"), gpus, memory)]
+                                    ray_actor_options={"num_cpus": 2, "num_gpus": g}).bind(path, config)
+                for path, g in zip(("global", "local"), gpus)]
     # Preprocessing a page is ~70 ms of CPU: routers scale out for it (autoscaled in the configs).
     router = Router.options(num_replicas=ROUTERS, ray_actor_options={"num_cpus": 2}).bind(
-        *encoders, None, checkpoint)
+        *encoders, None, config)
     handle = serve.run(router, name=f"bench-{placement}", route_prefix=f"/{placement}")
     latency = wall_ms(lambda: handle.encode.remote(page).result(), ITERS, WARMUP)
     stages = handle.timings.remote().result()  # one router's stage times, one page at a time

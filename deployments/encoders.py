@@ -1,92 +1,84 @@
-"""GlobalEncoder and LocalEncoder: one deployment class, one path each.
+"""GlobalEncoder and LocalEncoder: one deployment class, one path each, running the encode engine.
 
-A replica loads the encoder, builds its path's CUDA graphs in `__init__` (the user-code event
-loop thread, which is also where `@serve.batch` handlers run: capture and replay share a thread),
-and batches views across requests, counting views rather than requests. One batch at a time
-(`max_concurrent_batches=1`): graphs own their static buffers. On CPU it runs eagerly.
+A replica loads the encoder and builds `DualPathEncoder(paths=(path,))`, the same engine the
+in-process API and the benchmarks run: requests that arrive together (`@serve.batch`, counting
+views, not requests) are planned into token-budget batches by the scheduler's planner and
+replayed from this path's CUDA graphs, or run eagerly. The engine runs on one worker thread of
+the replica (capture and every replay), so the replica's event loop stays free for health
+checks and new arrivals while a batch runs; one batch at a time, since graphs own their static
+buffers. On CPU it runs eagerly.
 """
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
-import torch
 from ray import serve
 
-from encoder import load_encoder
-from encoder.graphs import PathGraphs
-from scheduler import default_budgets
+from encoder import DualPathEncoder, load_encoder
 
+from .config import AppConfig
 from .model_source import cap_gpu_memory, device_and_dtype, resolve_checkpoint
-from .wire import Wire, from_wire, to_wire
-
-VIEW_SHAPES = {"global": (3, 1024, 1024), "local": (3, 640, 640)}
+from .protocol import Wire, from_wire, to_wire
 
 
 def _views(requests: list[Wire]) -> int:
-    return sum(r[0].shape[0] for r in requests)
+    """Views in a batch of requests (a global view is [3, S, S], crops [P, 3, 640, 640])."""
+    return sum(1 if r[0].ndim == 3 else r[0].shape[0] for r in requests)
 
 
 @serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.25})
 class PathEncoder:
-    def __init__(self, path: str, checkpoint: str | None = None, max_images: int = 32,
-                 use_graphs: bool | None = None, gpu_memory_fraction: float | None = None,
-                 max_graph_memory_gb: float | None = None):
-        if path not in VIEW_SHAPES:
+    def __init__(self, path: str, config: AppConfig):
+        if path not in ("global", "local"):
             raise ValueError(f"path must be 'global' or 'local', got {path!r}")
-        cap_gpu_memory(gpu_memory_fraction)
-        device, dtype = device_and_dtype()
-        directory, self.model_label = resolve_checkpoint(checkpoint)
-        encoder = load_encoder(directory, device=device, dtype=dtype)
-        budgets = default_budgets(max_images)[0 if path == "global" else 1]
-        forward = encoder.forward_global if path == "global" else encoder.forward_local
-        self.runner = PathGraphs(path, forward, budgets, VIEW_SHAPES[path], device, use_graphs,
-                                 max_graph_memory_gb)
-        self.encode_batch.set_max_batch_size(budgets.max_units)
+        self.path = path
+        cap_gpu_memory(config.gpu_memory_fraction(path))
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{path}-encoder")
+        self.engine = self.worker.submit(self._load, config).result()
+        runner = self.engine.global_path or self.engine.local_path
+        self.encode_batch.set_max_batch_size(runner.budgets.max_units)
         self.request_batches: Counter = Counter()  # requests per executed batch
         self.broken: str | None = None
 
+    def _load(self, config: AppConfig) -> DualPathEncoder:
+        device, dtype = device_and_dtype()
+        directory, self.model_label = resolve_checkpoint(config.checkpoint)
+        return DualPathEncoder(load_encoder(directory, device=device, dtype=dtype),
+                               max_images=config.max_images, use_graphs=config.use_graphs,
+                               max_graph_memory_gb=config.max_graph_memory_gb, paths=(self.path,))
+
+    async def encode(self, pixels: Wire) -> Wire:
+        """GlobalEncoder: a global view [3, S, S] -> its tokens [g*(g+1), D].
+        LocalEncoder: one image's crops [P, 3, 640, 640] -> their tokens [P, 100, D]."""
+        return await self.encode_batch(pixels)
+
     # A short wait: a lone request pays it in full, while under load batches fill up anyway
     # during the previous batch's GPU work.
-    @serve.batch(max_batch_size=192, batch_wait_timeout_s=0.002, max_concurrent_batches=1,
-                 batch_size_fn=_views)
+    @serve.batch(batch_wait_timeout_s=0.002, max_concurrent_batches=1, batch_size_fn=_views)
     async def encode_batch(self, requests: list[Wire]) -> list[Wire]:
-        return self._run_batch(requests)
+        return await asyncio.get_running_loop().run_in_executor(self.worker, self._run_batch, requests)
 
     def _run_batch(self, requests: list[Wire]) -> list[Wire]:
+        self.request_batches[len(requests)] += 1
+        pixels = [from_wire(r) for r in requests]
+        none = [None] * len(pixels)
         try:
-            return self._encode_batch(requests)
+            if self.path == "global":
+                return [to_wire(out.global_tokens) for out in self.engine.run(pixels, none)]
+            return [to_wire(out.crop_tokens) for out in self.engine.run(none, pixels)]
         except RuntimeError as e:
             if "CUDA" in str(e):  # a CUDA fault poisons the context: let Serve replace us
                 self.broken = f"{type(e).__name__}: {e}"
             raise
 
-    def _encode_batch(self, requests: list[Wire]) -> list[Wire]:
-        self.request_batches[len(requests)] += 1
-        pixels = [from_wire(r) for r in requests]
-        out = [None] * len(requests)
-        # Views of one size run together (other modes send 512/640/1280 global views), in
-        # chunks no larger than the biggest budget.
-        by_shape: dict[tuple, list[int]] = {}
-        for i, p in enumerate(pixels):
-            by_shape.setdefault(tuple(p.shape[1:]), []).append(i)
-        for indices in by_shape.values():
-            views = torch.cat([pixels[i] for i in indices])
-            step = self.runner.budgets.max_units
-            tokens = torch.cat([self.runner.run(views[s:s + step]) for s in range(0, len(views), step)])
-            for i, part in zip(indices, tokens.split([len(pixels[i]) for i in indices])):
-                out[i] = to_wire(part)
-        return out
-
-    async def encode(self, pixels: Wire) -> Wire:
-        """uint8 views [n, 3, S, S] of one image -> its tokens [n, T, D]."""
-        return await self.encode_batch(pixels)
-
     def check_health(self):
         if self.broken:
-            raise RuntimeError(f"{self.runner.name} encoder unusable after {self.broken}")
+            raise RuntimeError(f"{self.path} encoder unusable after {self.broken}")
 
     def stats(self) -> dict:
-        return {"path": self.runner.name, "model": self.model_label, "gpu_ids": ray.get_gpu_ids(),
+        return {"path": self.path, "model": self.model_label, "gpu_ids": ray.get_gpu_ids(),
                 "requests_per_batch": dict(sorted(self.request_batches.items())),
-                **self.runner.stats.as_dict(), "capture": self.runner.report.as_dict()}
+                **self.engine.stats()[self.path]}

@@ -1,8 +1,12 @@
 """DeepSeek-OCR vision encoder: plain PyTorch (no Ray). See README for the public API."""
-from .checkpoint import CheckpointError, load_encoder, write_random_checkpoint
+from common.checkpoint import CheckpointError
+
+from .checkpoint import load_encoder, random_encoder, write_random_checkpoint
 from .config import EncoderArgs
-from .model import DeepEncoder
+from .graphs import DualPathEncoder, PathTokens
+from .model import DeepEncoder, assemble
 from .preprocess import ImageError, PreprocessedImage, preprocess
 
-__all__ = ["CheckpointError", "DeepEncoder", "EncoderArgs", "ImageError", "PreprocessedImage",
-           "load_encoder", "preprocess", "write_random_checkpoint"]
+__all__ = ["CheckpointError", "DeepEncoder", "DualPathEncoder", "EncoderArgs", "ImageError",
+           "PathTokens", "PreprocessedImage", "assemble", "load_encoder", "preprocess",
+           "random_encoder", "write_random_checkpoint"]

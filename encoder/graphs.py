@@ -1,4 +1,6 @@
-"""CUDA graphs of the two encoder paths, captured at token budgets, with eager fallback.
+"""The encode engine: CUDA graphs of the two encoder paths, captured at token budgets, batches
+planned by the scheduler, eager fallback per path. The in-process API, the GlobalEncoder and
+LocalEncoder deployments and the benchmarks all run this one engine.
 
 The story, top to bottom:
 1. `PathGraphs(name, forward, budgets, view_shape)` owns one path (global: `forward_global` on
@@ -6,16 +8,19 @@ The story, top to bottom:
    per token budget, LARGEST FIRST, all into one memory pool of this path, so the smaller graphs
    reuse the largest one's activation memory. Each graph has its own static input buffer (uint8
    views) and its own output. Before each capture the forward runs on a side stream (warm-up:
-   cuDNN/cuBLAS handles, Triton compilation, the allocator's pool). Capture happens on the
-   calling thread: replay must come from that same thread (Serve: the replica's event loop).
-   A memory cap drops graphs, largest first, until the path fits; dropped budgets run eagerly.
-2. `run(pixels, plan)` executes one planned batch on this path: skip when it has no views; when
-   a graph holds the planned budget, copy the real views into the first rows of its input,
-   zero rows left over from a bigger earlier batch, replay, and CLONE the real output rows
-   (the next replay overwrites the graph's output); otherwise run the same forward eagerly.
-3. `DualPathEncoder` is the in-process engine: the scheduler plans batches across both paths,
-   each path replays (or falls back) on its own (on CUDA the two paths of a batch run on two
-   streams at once), and images are assembled and returned in queue order. On CPU the same API
+   cuDNN/cuBLAS handles, Triton compilation, the allocator's pool), and each path captures on
+   its own stream (`common.cuda_graphs.capture_graph` says why). A memory cap drops graphs,
+   largest first, until the path fits; dropped budgets run eagerly.
+2. `PathGraphs.run(pixels, plan)` executes one planned batch on this path: when a graph holds
+   the planned budget, copy the real views into the first rows of its input, zero rows left over
+   from a bigger earlier batch, replay, and CLONE the real output rows (the next replay
+   overwrites the graph's output); otherwise run the same forward eagerly.
+3. `DualPathEncoder` is the engine over the paths one process serves (both in-process; one in
+   each encoder deployment). `run` takes a queue of images' views, groups them by view size,
+   lets the scheduler's `Planner` cut each group into batches that fit both paths' budgets, runs
+   each batch's paths (on CUDA, when a batch has both, the global path on a side stream while the
+   local path runs on the current one) and returns every image's tokens in queue order.
+   `encode` / `encode_images` add preprocessing before and `assemble` after. On CPU the same code
    runs every batch eagerly.
 """
 from __future__ import annotations
@@ -28,33 +33,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduler import Item, PathBudgets, PathPlan, PathStats, Planner, default_budgets, path_plan
+from common.cuda_graphs import capture_graph
+from scheduler import Item, PathBudgets, PathPlan, PathStats, Planner, default_budgets
 
-from .model import DeepEncoder
+from .model import DeepEncoder, assemble
 from .preprocess import PreprocessedImage, preprocess
 
 log = logging.getLogger(__name__)
 GB = 1024 ** 3
-
-
-def capture_graph(fn, pool=None, warmup: int = 1, device=None, stream=None):
-    """Run `fn` `warmup` times on a side stream (handles, Triton compilation, allocator pool),
-    then capture it on that same stream: (graph, fn's output, which every replay rewrites).
-
-    cuBLAS keeps one workspace per stream and a graph bakes in the workspace of the stream it
-    was captured on; torch.cuda.graph's default capture stream is one for the whole process.
-    Graphs that may replay at the same time (the two encoder paths) must therefore be captured
-    on different streams: pass one `stream` per group of graphs that never overlap."""
-    side = stream or torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=side):
-        out = fn()
-    return graph, out
 
 
 @dataclass
@@ -128,18 +114,14 @@ class PathGraphs:
         return _Graph(graph, pixels, out, filled=capacity)
 
     # -- execution --------------------------------------------------------------------------
-    def plan(self, views: int) -> PathPlan:
-        """This path's plan for a batch of `views` views (what the encoder deployments use)."""
-        return path_plan(self.budgets, views)
-
     @torch.inference_mode()
-    def run(self, pixels: torch.Tensor, plan: PathPlan | None = None) -> torch.Tensor:
-        """Encode `pixels` [n, 3, S, S] (uint8, any device) -> a fresh [n, tokens, D] tensor."""
+    def run(self, pixels: torch.Tensor, plan: PathPlan) -> torch.Tensor:
+        """Encode `pixels` [n, 3, S, S] (uint8, any device) as the planner planned them
+        -> a fresh [n, tokens, D] tensor."""
         n = pixels.shape[0]
-        plan = plan or self.plan(n)
-        assert plan.units == n, f"{self.name}: plan for {plan.units} views, got {n}"
         if n == 0:
             raise ValueError(f"{self.name} path: empty batch (a path with no views is skipped)")
+        assert plan.units == n, f"{self.name}: plan for {plan.units} views, got {n}"
         entry = self.graphs.get(plan.budget) if tuple(pixels.shape[1:]) == self.view_shape else None
         self.stats.record(plan, replayed=entry is not None)
         if entry is None:
@@ -152,41 +134,61 @@ class PathGraphs:
         return entry.out[:n].clone()  # clone: the next replay overwrites this buffer
 
 
+@dataclass(frozen=True, eq=False)
+class PathTokens:
+    """One image's encoder output: global tokens [g*(g+1), D] and crop tokens [P, 100, D]; None
+    for a part the image did not send (untiled: no crops) or this engine does not serve."""
+
+    global_tokens: torch.Tensor | None
+    crop_tokens: torch.Tensor | None
+
+
 class DualPathEncoder:
-    """Plan across both paths, replay each path's graphs (or run it eagerly), assemble."""
+    """Plan across the served paths, replay each path's graphs (or run it eagerly), assemble."""
 
     def __init__(self, encoder: DeepEncoder, budgets: tuple[PathBudgets, PathBudgets] | None = None,
-                 max_items: int = 32, use_graphs: bool | None = None,
-                 max_graph_memory_gb: float | None = None, strategy: str = "dp",
-                 compile: bool = False, overlap_paths: bool = True):
+                 max_images: int = 32, use_graphs: bool | None = None,
+                 max_graph_memory_gb: float | None = None, compile: bool = False,
+                 overlap_paths: bool = True, paths: tuple[str, ...] = ("global", "local")):
+        unknown = set(paths) - {"global", "local"}
+        if unknown or not paths:
+            raise ValueError(f"paths must be some of ('global', 'local'), got {paths!r}")
         self.encoder, self.overlap_paths = encoder, overlap_paths
-        global_budgets, local_budgets = budgets or default_budgets(max_images=max_items)
+        global_budgets, local_budgets = budgets or default_budgets(max_images=max_images)
         forward_global, forward_local = encoder.forward_global, encoder.forward_local
         if compile:  # a static compile for the first batch size, one dynamic one after that
             forward_global, forward_local = torch.compile(forward_global), torch.compile(forward_local)
-        self.global_path = PathGraphs("global", forward_global, global_budgets, (3, 1024, 1024),
-                                      encoder.device, use_graphs, max_graph_memory_gb)
-        left = (None if max_graph_memory_gb is None
-                else max_graph_memory_gb - self.global_path.report.memory_bytes / GB)
-        self.local_path = PathGraphs("local", forward_local, local_budgets, (3, 640, 640),
-                                     encoder.device, use_graphs, left)
-        self.planner = Planner(global_budgets, local_budgets, max_items, strategy)
+        self.global_path = self.local_path = None
+        left = max_graph_memory_gb
+        if "global" in paths:
+            self.global_path = PathGraphs("global", forward_global, global_budgets, (3, 1024, 1024),
+                                          encoder.device, use_graphs, left)
+            left = None if left is None else left - self.global_path.report.memory_bytes / GB
+        if "local" in paths:
+            self.local_path = PathGraphs("local", forward_local, local_budgets, (3, 640, 640),
+                                         encoder.device, use_graphs, left)
+        self.planner = Planner(global_budgets, local_budgets, max_images)
         self._side = None  # the global path's CUDA stream when both paths run (_run_both)
 
     @property
+    def paths(self) -> list[PathGraphs]:
+        return [p for p in (self.global_path, self.local_path) if p is not None]
+
+    @property
     def graph_memory_bytes(self) -> int:
-        return self.global_path.report.memory_bytes + self.local_path.report.memory_bytes
+        return sum(p.report.memory_bytes for p in self.paths)
 
     def stats(self) -> dict:
-        return {"global": self.global_path.stats.as_dict(), "local": self.local_path.stats.as_dict(),
-                "capture": {"global": self.global_path.report.as_dict(),
-                            "local": self.local_path.report.as_dict()}}
+        """Per served path: graph hits/misses, padding, batch sizes, and its capture report."""
+        return {p.name: {**p.stats.as_dict(), "capture": p.report.as_dict()} for p in self.paths}
 
+    # -- images in, sequences out -------------------------------------------------------------
     def encode_images(self, images, mode: str = "gundam", max_crops: int = 6) -> list[torch.Tensor]:
+        """Images (bytes, paths, PIL images) -> one [num_tokens, D] sequence each."""
         if not isinstance(images, (list, tuple)):
             images = [images]
-        if len(images) == 1:
-            return self.encode([preprocess(images[0], mode=mode, max_crops=max_crops)])
+        if len(images) <= 1:
+            return self.encode([preprocess(image, mode=mode, max_crops=max_crops) for image in images])
         # Decoding and resizing dominate for pages (PIL releases the GIL): one thread per image.
         with ThreadPoolExecutor(max_workers=min(len(images), os.cpu_count() or 1, 16)) as pool:
             items = list(pool.map(lambda image: preprocess(image, mode=mode, max_crops=max_crops),
@@ -195,34 +197,65 @@ class DualPathEncoder:
 
     def encode(self, items: list[PreprocessedImage]) -> list[torch.Tensor]:
         """One [num_tokens, D] sequence per preprocessed image, in the order given."""
-        # Global views of different modes have different sizes: plan each size on its own.
-        by_size: dict[tuple, list[int]] = {}
-        for i, item in enumerate(items):
-            by_size.setdefault(tuple(item.global_view.shape), []).append(i)
-        out: list = [None] * len(items)
-        for indices in by_size.values():
-            for i, seq in zip(indices, self._encode_same_size([items[i] for i in indices])):
-                out[i] = seq
+        outputs = self.run([it.global_view for it in items], [it.crops if it.tiled else None for it in items])
+        seqs = []
+        for item, out in zip(items, outputs):
+            seq = assemble(out.global_tokens, out.crop_tokens, item.grid, self.encoder.image_newline,
+                           self.encoder.view_seperator)
+            assert seq.shape[0] == item.num_tokens, (seq.shape, item.num_tokens)
+            seqs.append(seq)
+        return seqs
+
+    # -- views in, tokens out -----------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, global_views: list[torch.Tensor | None],
+            crops: list[torch.Tensor | None]) -> list[PathTokens]:
+        """A queue of images' views -> their tokens, in queue order.
+
+        Image i sends `global_views[i]` (uint8 [3, S, S]) and/or `crops[i]` (uint8 [P, 3, 640,
+        640]); None where it sends nothing to that path. Global views of one size are planned
+        together (other modes make 512/640/1280 views); each planned batch runs both paths."""
+        if len(global_views) != len(crops):
+            raise ValueError(f"{len(global_views)} global-view entries for {len(crops)} crop entries")
+        for views, path in ((global_views, self.global_path), (crops, self.local_path)):
+            if path is None and any(v is not None for v in views):
+                name = "global" if views is global_views else "local"
+                raise ValueError(f"this engine does not serve the {name} path")
+        groups: dict[tuple | None, list[int]] = {}
+        for i, view in enumerate(global_views):
+            groups.setdefault(None if view is None else tuple(view.shape), []).append(i)
+        out: list[PathTokens | None] = [None] * len(crops)
+        for indices in groups.values():
+            items = [Item(int(global_views[i] is not None), 0 if crops[i] is None else len(crops[i]))
+                     for i in indices]
+            plan = self.planner.plan(items)
+            per_batch = [self._run_batch([global_views[indices[k]] for k in batch.indices],
+                                         [crops[indices[k]] for k in batch.indices], batch)
+                         for batch in plan.batches]
+            for i, tokens in zip(indices, plan.in_queue_order(per_batch)):
+                out[i] = tokens
         return out
 
-    def _encode_same_size(self, items: list[PreprocessedImage]) -> list[torch.Tensor]:
-        plan = self.planner.plan([Item(1, len(it.crops)) for it in items])
-        per_batch = []
-        for batch in plan.batches:
-            chosen = [items[i] for i in batch.indices]
-            global_views = torch.stack([it.global_view for it in chosen])
-            crop_tokens = iter(())
-            if batch.local_path.skipped:
-                global_tokens = self.global_path.run(global_views, batch.global_path)
-            else:
-                crops = torch.cat([it.crops for it in chosen if it.tiled])
-                global_tokens, local_tokens = self._run_both(global_views, batch.global_path,
-                                                             crops, batch.local_path)
-                crop_tokens = iter(local_tokens.split([len(it.crops) for it in chosen if it.tiled]))
-            per_batch.append([
-                self.encoder.assemble(g, next(crop_tokens) if it.tiled else None, it.grid)
-                for it, g in zip(chosen, global_tokens)])
-        return plan.in_queue_order(per_batch)
+    def _run_batch(self, global_views, crops, batch) -> list[PathTokens]:
+        """One planned batch: stack each path's views, run the paths, split per image."""
+        views = [v for v in global_views if v is not None]
+        tiles = [c for c in crops if c is not None]
+        for path, plan, parts in ((self.global_path, batch.global_path, views),
+                                  (self.local_path, batch.local_path, tiles)):
+            if path is not None and not parts:
+                path.stats.record(plan, replayed=False)  # counted as skipped
+        global_tokens = crop_tokens = None
+        if tiles and views:
+            global_tokens, crop_tokens = self._run_both(torch.stack(views), batch.global_path,
+                                                        torch.cat(tiles), batch.local_path)
+        elif views:
+            global_tokens = self.global_path.run(torch.stack(views), batch.global_path)
+        elif tiles:
+            crop_tokens = self.local_path.run(torch.cat(tiles), batch.local_path)
+        per_global = iter(global_tokens if global_tokens is not None else ())
+        per_crops = iter(crop_tokens.split([len(c) for c in tiles]) if crop_tokens is not None else ())
+        return [PathTokens(None if v is None else next(per_global), None if c is None else next(per_crops))
+                for v, c in zip(global_views, crops)]
 
     def _run_both(self, global_views, global_plan, crops, local_plan):
         """Both paths of one batch. On CUDA the global path runs on a side stream while the

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import EncoderArgs
-from .preprocess import normalize, preprocess
+from .preprocess import normalize
 from .relpos_attention import default_impl, relpos_attention
 
 
@@ -298,36 +298,6 @@ class DeepEncoder(nn.Module):
         """Local path: [P, 3, 640, 640] -> [P, 100, n_embed] (stitched per image afterwards)."""
         return self.forward_views(crops)
 
-    def assemble(self, global_tokens, crop_tokens, grid: tuple[int, int]):
-        """One image's sequence from its two paths' outputs (see `assemble`)."""
-        return assemble(global_tokens, crop_tokens, grid, self.image_newline, self.view_seperator)
-
-    @torch.inference_mode()
-    def encode_images(self, images, mode: str = "gundam", max_crops: int = 6) -> list[torch.Tensor]:
-        """The monolithic reference: images -> one [num_tokens, n_embed] sequence each.
-
-        All global views go through forward_global as one batch, all crops of all images
-        through forward_local as one batch; the distributed system must reproduce this.
-        """
-        if not isinstance(images, (list, tuple)):
-            images = [images]
-        items = [preprocess(image, mode=mode, max_crops=max_crops) for image in images]
-        if not items:
-            return []
-        global_tokens = self.forward_global(torch.stack([it.global_view for it in items]).to(self.device))
-        tiled = [it for it in items if it.tiled]
-        crop_tokens = iter(())
-        if tiled:
-            crops = torch.cat([it.crops for it in tiled]).to(self.device)
-            crop_tokens = iter(self.forward_local(crops).split([len(it.crops) for it in tiled]))
-        out = []
-        for item, tokens in zip(items, global_tokens):
-            local = next(crop_tokens) if item.tiled else None
-            seq = self.assemble(tokens, local, item.grid)
-            assert seq.shape[0] == item.num_tokens, (seq.shape, item.num_tokens)
-            out.append(seq)
-        return out
-
 
 def assemble(global_tokens, crop_tokens, grid: tuple[int, int], newline, separator):
     """One image's sequence: stitched local grid + newlines, then global, then separator.
@@ -335,7 +305,8 @@ def assemble(global_tokens, crop_tokens, grid: tuple[int, int], newline, separat
     global_tokens [g*(g+1), D] from forward_global; crop_tokens [P, m*m, D] (P = w_t * h_t,
     row-major) from forward_local, ignored when the image is untiled (grid (1, 1)); newline and
     separator [D] are the model's `image_newline` and `view_seperator`. Plain tensor math, so the
-    router assembles on CPU without the model.
+    router assembles on CPU without the model; the engine (`DualPathEncoder.encode`) and the
+    router are its two callers.
     """
     d = global_tokens.shape[-1]
     parts = []

@@ -32,6 +32,7 @@ __all__ = [
     "PreprocessedImage",
     "ViewMode",
     "candidate_grids",
+    "check_view_options",
     "choose_grid",
     "count_tokens",
     "load_image",
@@ -387,8 +388,7 @@ def start_preprocess(
     max_pixels: int = MAX_IMAGE_PIXELS,
 ) -> PendingImage:
     """Like `preprocess`, but returns once the global view is built; the crops follow."""
-    view_mode = _check_mode(mode)
-    _check_max_crops(max_crops)
+    view_mode = check_view_options(mode, max_crops)
     img = load_image(image, max_pixels=max_pixels)
     size = view_mode.base_size
 
@@ -424,18 +424,16 @@ def _resize_threads() -> ThreadPoolExecutor:
     return _RESIZE_THREADS[1]
 
 
-def _check_mode(mode) -> ViewMode:
+def check_view_options(mode, max_crops) -> ViewMode:
+    """The view mode named `mode`; ImageError naming the value when `mode` or `max_crops` is bad."""
     if not isinstance(mode, str) or mode not in MODES:
         raise ImageError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
-    return MODES[mode]
-
-
-def _check_max_crops(max_crops) -> None:
     is_int = isinstance(max_crops, int) and not isinstance(max_crops, bool)
     if not is_int or not MIN_CROPS <= max_crops <= MAX_CROPS_LIMIT:
         raise ImageError(
             f"max_crops must be an int in {MIN_CROPS}..{MAX_CROPS_LIMIT}, got {max_crops!r}"
         )
+    return MODES[mode]
 
 
 def _pad_to_square(img: Image.Image, size: int) -> Image.Image:

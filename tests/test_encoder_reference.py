@@ -4,7 +4,7 @@ import pytest
 import torch
 from PIL import Image
 
-from encoder import EncoderArgs, load_encoder, preprocess, write_random_checkpoint
+from encoder import DualPathEncoder, EncoderArgs, load_encoder, preprocess, write_random_checkpoint
 from encoder.preprocess import normalize
 from tests.reference import unlimited_ocr_model
 
@@ -59,7 +59,7 @@ def test_assembled_sequence_matches_unlimited_ocr(pair, size, grid, tokens):
     item = preprocess(image)
     assert (item.grid, item.num_tokens) == (grid, tokens)
     with torch.inference_mode():
-        (got,) = ours.encode_images([image])
+        (got,) = DualPathEncoder(ours).encode_images([image])
         local = normalize(item.crops) if item.tiled else None
         expected = theirs.get_image_features(
             normalize(item.global_view)[None], pixel_values_local=local,

@@ -49,17 +49,18 @@ def test_other_errors_are_not_retried():
 def test_encoder_replica_reports_a_cuda_fault_to_its_health_check(monkeypatch):
     import numpy as np
 
+    from deployments.config import AppConfig
     from deployments.encoders import PathEncoder
-    encoder = PathEncoder.func_or_class("global")
+    encoder = PathEncoder.func_or_class("global", AppConfig())
     encoder.check_health()  # healthy
-    pixels = (np.zeros((2, 3, 1024, 1024), np.uint8), "uint8")
-    assert encoder._run_batch([pixels])[0][0].shape[:2] == (2, 272)  # a real batch runs
+    view = (np.zeros((3, 1024, 1024), np.uint8), "uint8")
+    assert encoder._run_batch([view, view])[0][0].shape[0] == 272  # a real batch runs
 
-    def cuda_fault(requests):
+    def cuda_fault(*args):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(encoder, "_encode_batch", cuda_fault)
+    monkeypatch.setattr(encoder.engine, "run", cuda_fault)
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        encoder._run_batch([pixels])  # the body of the @serve.batch handler
+        encoder._run_batch([view])  # the body of the @serve.batch handler
     with pytest.raises(RuntimeError, match="unusable after"):
         encoder.check_health()

@@ -1,12 +1,13 @@
-"""The dual-path engine: eager on CPU (== encode_images), graphs on CUDA (marked gpu)."""
+"""The encode engine: eager on CPU (== each image alone through the two forwards), graphs on CUDA
+(marked gpu), and the encoder deployments running the same engine as the in-process API."""
 import pytest
 import torch
 from PIL import Image
 
-from encoder import EncoderArgs, preprocess
+from encoder import DualPathEncoder, EncoderArgs, assemble, preprocess
 from encoder.checkpoint import random_encoder
-from encoder.graphs import DualPathEncoder, PathGraphs
-from scheduler import PathBudgets
+from encoder.graphs import PathGraphs
+from scheduler import PathBudgets, path_plan
 
 
 def image(w, h, seed):
@@ -17,18 +18,30 @@ def image(w, h, seed):
 
 # untiled photo, A4 page (2x3), 1x6 strip, 2x2 square, 2x1 landscape, small image
 MIXED = [(448, 448), (1191, 1684), (640, 3840), (1024, 1024), (1400, 700), (300, 200)]
+# Document pages as they are scanned or rendered (A4 and US Letter at 100-200 dpi): all 2x3.
+PAGES = [(1191, 1684), (1275, 1650), (1654, 2339), (850, 1100), (2480, 3508), (1700, 2200)]
 
 
 def small_budgets():
     return (PathBudgets.geometric("global", 272, 3), PathBudgets.geometric("local", 100, 8))
 
 
-def test_eager_engine_equals_encode_images_cpu(tiny_encoder):
+def eager_reference(enc, items):
+    """The reference twin of the engine: each image alone through the two forwards, assembled
+    by the same `assemble`; no planner, no batching, no graphs."""
+    with torch.inference_mode():
+        return [assemble(enc.forward_global(it.global_view[None].to(enc.device))[0],
+                         enc.forward_local(it.crops.to(enc.device)) if it.tiled else None,
+                         it.grid, enc.image_newline, enc.view_seperator)
+                for it in items]
+
+
+def test_eager_engine_equals_each_image_alone_cpu(tiny_encoder):
     images = [image(w, h, i) for i, (w, h) in enumerate(MIXED)]
-    engine = DualPathEncoder(tiny_encoder, small_budgets(), max_items=3)
+    engine = DualPathEncoder(tiny_encoder, small_budgets(), max_images=3)
     assert not engine.global_path.graphs and not engine.local_path.graphs  # CPU: eager
     got = engine.encode_images(images)
-    expected = tiny_encoder.encode_images(images)
+    expected = eager_reference(tiny_encoder, [preprocess(im) for im in images])
     assert [g.shape[0] for g in got] == [273, 903, 933, 693, 483, 273]
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
@@ -41,29 +54,67 @@ def test_eager_engine_equals_encode_images_cpu(tiny_encoder):
 def test_mixed_modes_are_planned_per_view_size(tiny_encoder):
     items = [preprocess(image(900, 700, 1), mode="tiny"), preprocess(image(1191, 1684, 2)),
              preprocess(image(900, 700, 3), mode="large")]
-    engine = DualPathEncoder(tiny_encoder, small_budgets(), max_items=3)
+    engine = DualPathEncoder(tiny_encoder, small_budgets(), max_images=3)
     got = engine.encode(items)
     assert [g.shape[0] for g in got] == [73, 903, 421]
     for g, e in zip(got, eager_reference(tiny_encoder, items)):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
-def test_empty_batch_is_an_error(tiny_encoder):
+def test_errors_name_the_problem(tiny_encoder):
     path = PathGraphs("local", tiny_encoder.forward_local, small_budgets()[1], (3, 640, 640), "cpu")
     with pytest.raises(ValueError, match="empty batch"):
-        path.run(torch.zeros(0, 3, 640, 640, dtype=torch.uint8))
+        path.run(torch.zeros(0, 3, 640, 640, dtype=torch.uint8), path_plan(path.budgets, 0))
     with pytest.raises(ValueError, match="need a CUDA device"):
         PathGraphs("local", tiny_encoder.forward_local, small_budgets()[1], (3, 640, 640), "cpu",
                    use_graphs=True)
+    global_only = DualPathEncoder(tiny_encoder, small_budgets(), paths=("global",))
+    with pytest.raises(ValueError, match="does not serve the local path"):
+        global_only.run([None], [torch.zeros(2, 3, 640, 640, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="paths must be"):
+        DualPathEncoder(tiny_encoder, paths=("both",))
 
 
-def eager_reference(enc, items):
-    """Each image alone through the two forwards, no engine."""
-    with torch.inference_mode():
-        return [enc.assemble(enc.forward_global(it.global_view[None].to(enc.device))[0],
-                             enc.forward_local(it.crops.to(enc.device)) if it.tiled else None,
-                             it.grid)
-                for it in items]
+def deployment_engines(config):
+    """The GlobalEncoder and LocalEncoder deployments' replicas, built as Serve builds them
+    (no cluster needed: their class, their constructor, their batch handler's body)."""
+    from deployments.encoders import PathEncoder
+    return [PathEncoder.func_or_class(path, config) for path in ("global", "local")]
+
+
+def through_deployments(replicas, items):
+    """Every image's views as one batch of requests to each deployment, assembled."""
+    from deployments.protocol import from_wire, to_wire
+    global_replica, local_replica = replicas
+    global_tokens = global_replica._run_batch([to_wire(it.global_view) for it in items])
+    tiled = [it for it in items if it.tiled]
+    crop_tokens = iter(local_replica._run_batch([to_wire(it.crops) for it in tiled]))
+    enc = global_replica.engine.encoder  # the router holds these two on CPU, as here
+    newline, separator = enc.image_newline.cpu(), enc.view_seperator.cpu()
+    return [assemble(from_wire(g), from_wire(next(crop_tokens)) if it.tiled else None, it.grid,
+                     newline, separator)
+            for it, g in zip(items, global_tokens)]
+
+
+def test_deployments_run_the_in_process_engine_cpu():
+    pytest.importorskip("ray")
+    from deployments.config import AppConfig
+    from deployments.model_source import resolve_checkpoint
+    from encoder import load_encoder
+    replicas = deployment_engines(AppConfig(max_images=4))
+    items = [preprocess(image(w, h, i)) for i, (w, h) in enumerate(MIXED * 2)]
+    served = through_deployments(replicas, items)
+    engine = DualPathEncoder(load_encoder(resolve_checkpoint(None)[0]), max_images=4)
+    in_process = engine.encode(items)
+    for a, b in zip(served, in_process):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # The replicas planned with the same planner: batches of at most max_images images, tokens
+    # counted the same way.
+    for replica, path in zip(replicas, ("global", "local")):
+        assert type(replica.engine) is DualPathEncoder and replica.engine.planner.max_items == 4
+        served_stats, local_stats = replica.engine.stats()[path], engine.stats()[path]
+        assert served_stats["real_tokens"] == local_stats["real_tokens"]
+        assert max(served_stats["batch_sizes"]) <= 4 * (1 if path == "global" else 6)
 
 
 # --- GPU ------------------------------------------------------------------------------------------
@@ -73,13 +124,11 @@ def cuda_engine():
         pytest.skip("needs a CUDA GPU")
     encoder = random_encoder(EncoderArgs(), device="cuda", dtype=torch.bfloat16)
     budgets = (PathBudgets.geometric("global", 272, 4), PathBudgets.geometric("local", 100, 6))
-    engine = DualPathEncoder(encoder, budgets, max_items=4)
-    report = engine.stats()["capture"]
+    engine = DualPathEncoder(encoder, budgets, max_images=4)
+    report = engine.stats()
     print(f"\ngraph memory: {engine.graph_memory_bytes / 2**30:.2f} GB "
-          f"(global {report['global']}, local {report['local']})")
+          f"(global {report['global']['capture']}, local {report['local']['capture']})")
     return engine
-
-
 
 
 @pytest.mark.gpu
@@ -115,11 +164,60 @@ def test_oversized_local_batch_falls_back_while_global_replays(cuda_engine):
 
 
 @pytest.mark.gpu
-def test_results_survive_later_replays(cuda_engine):
-    first_items = [preprocess(image(1191, 1684, 11)), preprocess(image(448, 448, 12))]
-    first = cuda_engine.encode(first_items)
-    kept = [t.clone() for t in first]
-    for seed in range(3):  # replay the same graphs with other data
-        cuda_engine.encode([preprocess(image(1191, 1684, 20 + seed)), preprocess(image(448, 448, 30 + seed))])
-    for a, b in zip(first, kept):
-        assert torch.equal(a, b)
+def test_graph_output_survives_a_later_replay_of_the_same_graph(cuda_engine):
+    """`PathGraphs.run` hands out its own tensor, not a view of the graph's static output:
+    a later replay of the SAME graph (same budget) with other pixels leaves it unchanged."""
+    path = cuda_engine.local_path
+    gen = torch.Generator().manual_seed(0)
+    first = torch.randint(0, 256, (4, 3, 640, 640), dtype=torch.uint8, generator=gen).cuda()
+    second = torch.randint(0, 256, (4, 3, 640, 640), dtype=torch.uint8, generator=gen).cuda()
+    plan = path_plan(path.budgets, 4)
+    assert plan.budget in path.graphs
+    out = path.run(first, plan)
+    kept = out.clone()
+    path.run(second, plan)  # same graph, other data
+    torch.cuda.synchronize()
+    assert torch.equal(out, kept)
+
+
+@pytest.mark.gpu
+def test_graphs_switch_off(cuda_engine):
+    """use_graphs=False (the app's `use_graphs: false`): nothing captured, every batch eager,
+    same sequences within bf16 tolerance."""
+    eager = DualPathEncoder(cuda_engine.encoder, max_images=4, use_graphs=False)
+    assert not eager.global_path.graphs and not eager.local_path.graphs
+    assert eager.graph_memory_bytes == 0
+    items = [preprocess(image(1191, 1684, 40)), preprocess(image(448, 448, 41))]
+    for g, e in zip(eager.encode(items), cuda_engine.encode(items)):
+        torch.testing.assert_close(g, e, rtol=0.016, atol=0.016)
+    stats = eager.stats()
+    assert stats["global"]["graph_hits"] == stats["local"]["graph_hits"] == 0
+    assert stats["global"]["graph_misses"] == stats["local"]["graph_misses"] == 1
+
+
+@pytest.mark.gpu
+def test_deployments_plan_and_replay_like_the_in_process_engine(tmp_path):
+    """64 pages through the GlobalEncoder and LocalEncoder replicas (real dims, default budgets,
+    graphs) and through DualPathEncoder: the same padding fraction and graph hit counts per
+    path, and the same sequences."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("ray")
+    from deployments.config import AppConfig
+    from encoder import load_encoder, write_random_checkpoint
+    checkpoint = write_random_checkpoint(tmp_path, EncoderArgs())
+    replicas = deployment_engines(AppConfig(checkpoint=checkpoint))
+    items = [preprocess(image(w, h, i)) for i, (w, h) in enumerate(PAGES * 11)][:64]
+    served = through_deployments(replicas, items)
+    in_process = DualPathEncoder(load_encoder(checkpoint, device="cuda", dtype=torch.bfloat16))
+    expected = in_process.encode(items)
+    for path, replica in zip(("global", "local"), replicas):
+        a, b = replica.engine.stats()[path], in_process.stats()[path]
+        print(f"\n{path}: deployment hits {a['graph_hits']} misses {a['graph_misses']} padding "
+              f"{a['padding_fraction']:.4f} batches {a['batch_sizes']} | in-process hits "
+              f"{b['graph_hits']} misses {b['graph_misses']} padding {b['padding_fraction']:.4f} "
+              f"batches {b['batch_sizes']}")
+        for key in ("graph_hits", "graph_misses", "padding_fraction", "batch_sizes"):
+            assert a[key] == b[key], (path, key)
+    for s, e in zip(served, expected):
+        torch.testing.assert_close(s, e.cpu(), rtol=0.016, atol=0.016)

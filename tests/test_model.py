@@ -1,9 +1,10 @@
-"""The two batched paths and the per-image assembly (token layout of DeepSeek-OCR §2)."""
+"""The two batched paths, the per-image assembly (token layout of DeepSeek-OCR §2) and the
+in-process engine's token counts."""
 import pytest
 import torch
 from PIL import Image
 
-from encoder import preprocess
+from encoder import DualPathEncoder, assemble, preprocess
 
 
 def pixels(n, size, seed=0):
@@ -40,10 +41,7 @@ def test_batch_rows_are_independent(tiny_encoder):
 def test_assemble_layout(tiny_encoder, grid):
     w_t, h_t = grid
     d = 4
-    tiny = type(tiny_encoder).__new__(type(tiny_encoder))  # reuse assemble with small markers
-    torch.nn.Module.__init__(tiny)
-    tiny.image_newline = torch.nn.Parameter(torch.full((d,), -1.0))
-    tiny.view_seperator = torch.nn.Parameter(torch.full((d,), -2.0))
+    newline, separator = torch.full((d,), -1.0), torch.full((d,), -2.0)  # markers
     # crop k, cell (r, c) of its 10x10 grid carries the marker (k, r, c).
     crops = torch.zeros(w_t * h_t, 100, d)
     for k in range(w_t * h_t):
@@ -51,21 +49,21 @@ def test_assemble_layout(tiny_encoder, grid):
             for c in range(10):
                 crops[k, r * 10 + c] = torch.tensor([k, r, c, 7.0])
     glob = torch.full((272, d), 5.0)
-    seq = tiny.assemble(glob, crops, grid)
+    seq = assemble(glob, crops, grid, newline, separator)
     assert seq.shape[0] == (10 * h_t) * (10 * w_t + 1) + 273
     # Row-major stitching: global row R, column C come from crop (R//10)*w_t + C//10.
     rows = seq[: (10 * h_t) * (10 * w_t + 1)].reshape(10 * h_t, 10 * w_t + 1, d)
     for big_r in range(10 * h_t):
-        assert torch.equal(rows[big_r, -1], tiny.image_newline.data)
+        assert torch.equal(rows[big_r, -1], newline)
         for big_c in range(10 * w_t):
             k = (big_r // 10) * w_t + big_c // 10
             assert rows[big_r, big_c].tolist() == [k, big_r % 10, big_c % 10, 7.0]
-    assert torch.equal(seq[-273:-1], glob) and torch.equal(seq[-1], tiny.view_seperator.data)
+    assert torch.equal(seq[-273:-1], glob) and torch.equal(seq[-1], separator)
 
 
 def test_assemble_untiled_ignores_crops(tiny_encoder):
     glob = torch.randn(272, tiny_encoder.args.n_embed)
-    seq = tiny_encoder.assemble(glob, None, (1, 1))
+    seq = assemble(glob, None, (1, 1), tiny_encoder.image_newline, tiny_encoder.view_seperator)
     assert seq.shape[0] == 273 and torch.equal(seq[:272], glob)
 
 
@@ -76,7 +74,7 @@ def test_assemble_untiled_ignores_crops(tiny_encoder):
 ])
 def test_encode_images_token_counts(tiny_encoder, mode, size, tokens):
     image = Image.new("RGB", size, (200, 30, 90))
-    (seq,) = tiny_encoder.encode_images([image], mode=mode)
+    (seq,) = DualPathEncoder(tiny_encoder).encode_images([image], mode=mode)
     assert seq.shape == (tokens, tiny_encoder.args.n_embed)
     assert preprocess(image, mode=mode).num_tokens == tokens
 
@@ -85,8 +83,9 @@ def test_encode_images_batch_equals_one_by_one(tiny_encoder):
     images = [Image.new("RGB", s, c) for s, c in [((1191, 1684), (10, 20, 30)),
                                                   ((400, 300), (90, 90, 9)),
                                                   ((640, 3840), (250, 1, 1))]]
-    together = tiny_encoder.encode_images(images)
-    alone = [tiny_encoder.encode_images(im)[0] for im in images]
+    engine = DualPathEncoder(tiny_encoder)
+    together = engine.encode_images(images)
+    alone = [engine.encode_images(im)[0] for im in images]
     assert [t.shape[0] for t in together] == [903, 273, 933]
     for a, b in zip(together, alone):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -95,7 +94,7 @@ def test_encode_images_batch_equals_one_by_one(tiny_encoder):
 def test_bf16_runs_on_cpu(tiny_checkpoint):
     from encoder import load_encoder
     encoder = load_encoder(tiny_checkpoint, dtype=torch.bfloat16)
-    (seq,) = encoder.encode_images([Image.new("RGB", (1400, 700), (1, 2, 3))])
+    (seq,) = DualPathEncoder(encoder).encode_images([Image.new("RGB", (1400, 700), (1, 2, 3))])
     assert seq.dtype == torch.bfloat16 and seq.shape[0] == 483 and torch.isfinite(seq).all()
 
 
