@@ -77,25 +77,23 @@ def deploy(name: str, checkpoint, layout: dict, smoke: bool):
     """The full app with per-deployment placement / autoscaling from `layout`."""
     from ray import serve
 
+    from deployments.config import AppConfig
     from deployments.decoder_server import DecoderServer
     from deployments.encoders import PathEncoder
     from deployments.router import Router
 
     def opts(key):
-        spec = dict(layout[key])
-        fraction = spec.pop("memory_fraction", None)
-        spec["ray_actor_options"] = {"num_cpus": 0 if smoke else 2, "num_gpus": spec.pop("gpus", 0)}
-        return spec, fraction
+        spec = {k: v for k, v in layout[key].items() if k not in ("memory_fraction", "gpus")}
+        spec["ray_actor_options"] = {"num_cpus": 0 if smoke else 2, "num_gpus": layout[key].get("gpus", 0)}
+        return spec
 
-    encoders = []
-    for path in ("global", "local"):
-        spec, fraction = opts(path)
-        encoders.append(PathEncoder.options(name=f"{path.capitalize()}Encoder", **spec)
-                        .bind(path, checkpoint, 32, None, fraction, None))
-    spec, fraction = opts("decoder")
-    decoder = DecoderServer.options(name="Decoder", **spec).bind(checkpoint, 64, 4096, fraction, None)
-    spec, _ = opts("router")
-    router = Router.options(**spec).bind(*encoders, decoder, checkpoint)
+    config = AppConfig(checkpoint=checkpoint, max_len=4096, **{
+        f"gpu_memory_fraction_{key}": layout[key].get("memory_fraction")
+        for key in ("global", "local", "decoder")})
+    encoders = [PathEncoder.options(name=f"{path.capitalize()}Encoder", **opts(path)).bind(path, config)
+                for path in ("global", "local")]
+    decoder = DecoderServer.options(name="Decoder", **opts("decoder")).bind(config)
+    router = Router.options(**opts("router")).bind(*encoders, decoder, config)
     return serve.run(router, name=name, route_prefix=f"/{name}")
 
 
@@ -231,7 +229,7 @@ def main(argv=None):
         raise SystemExit(f"needs 4 GPUs, found {gpus} (--smoke checks the script on CPU)")
     checkpoint = None
     if not opts.smoke:
-        from decoder.checkpoint import write_random_model
+        from deployments.model_source import write_random_model
         checkpoint = write_random_model(tempfile.mkdtemp(), seed=0, dtype=torch.bfloat16)
     max_tokens = 4 if opts.smoke else opts.max_tokens
     levels = (1, 4) if opts.smoke else (1, 8, 32, 64)

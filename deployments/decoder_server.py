@@ -1,7 +1,9 @@
 """The Decoder deployment: the continuous-batching engine behind a Serve handle.
 
 Concurrent calls each submit one request to `AsyncEngine`, whose background thread steps all
-running sequences together; `generate` returns the finished text, `generate_stream` yields deltas.
+running sequences together (and owns every GPU call, decode-graph capture included), so the
+replica's event loop stays free; `generate` returns the finished text, `generate_stream`
+yields deltas.
 """
 from __future__ import annotations
 
@@ -10,34 +12,25 @@ from collections.abc import AsyncIterator
 import ray
 from ray import serve
 
-from decoder import (AsyncEngine, GenerationEngine, GenerationRequest, NGramConfig, SamplingParams,
-                     load_decoder, load_tokenizer)
+from decoder import (AsyncEngine, GenerationEngine, GenerationRequest, SamplingParams, load_decoder,
+                     load_tokenizer)
 
+from .config import AppConfig
 from .model_source import cap_gpu_memory, device_and_dtype, resolve_checkpoint
-from .wire import Wire, from_wire
-
-
-def sampling_params(options: dict) -> SamplingParams:
-    """Request options (validated upstream) -> SamplingParams."""
-    ngram = options.get("ngram") or {}
-    ngram_config = (NGramConfig.off() if ngram.get("enabled") is False
-                    else NGramConfig(**{k: v for k, v in ngram.items() if k != "enabled"}))
-    return SamplingParams(max_tokens=options.get("max_tokens", 8192),
-                          stop=tuple(options.get("stop") or ()), ngram=ngram_config)
+from .protocol import Wire, from_wire
 
 
 @serve.deployment(max_ongoing_requests=128, ray_actor_options={"num_cpus": 0.25})
 class DecoderServer:
-    def __init__(self, checkpoint: str | None = None, max_batch: int = 64, max_len: int | None = None,
-                 gpu_memory_fraction: float | None = None, use_graphs: bool | None = None):
-        cap_gpu_memory(gpu_memory_fraction)
+    def __init__(self, config: AppConfig):
+        cap_gpu_memory(config.gpu_memory_fraction("decoder"))
         device, dtype = device_and_dtype()
-        directory, self.model_label = resolve_checkpoint(checkpoint)
+        directory, self.model_label = resolve_checkpoint(config.checkpoint)
         model = load_decoder(directory, device=device, dtype=dtype)
-        tokenizer = load_tokenizer(directory if checkpoint else None)
+        tokenizer = load_tokenizer(directory if config.checkpoint else None)
         # use_graphs None: decode-step CUDA graphs on a GPU, eager on CPU.
-        self.engine = AsyncEngine(GenerationEngine(model, tokenizer, max_batch, max_len,
-                                                   decode_graphs=use_graphs))
+        self.engine = AsyncEngine(GenerationEngine(model, tokenizer, config.max_batch, config.max_len,
+                                                   decode_graphs=config.use_graphs))
 
     def stats(self) -> dict:
         engine = self.engine.engine
@@ -49,20 +42,17 @@ class DecoderServer:
         if not self.engine.alive:
             raise RuntimeError("generation engine thread died")
 
-    def _request(self, prompt_ids: list[int], image_embeds: list[Wire], options: dict):
-        return GenerationRequest(prompt_ids, [from_wire(e) for e in image_embeds],
-                                 sampling_params(options))
-
-    async def generate(self, prompt_ids: list[int], image_embeds: list[Wire], options: dict) -> dict:
+    async def generate(self, prompt_ids: list[int], image_embeds: list[Wire],
+                       params: SamplingParams) -> dict:
         text, last = [], None
-        async for delta in self.engine.generate(self._request(prompt_ids, image_embeds, options)):
-            text.append(delta.text)
+        async for delta in self.generate_stream(prompt_ids, image_embeds, params):
+            text.append(delta["text"])
             last = delta
-        return {"text": "".join(text), "finish_reason": last.finish_reason,
-                "prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens}
+        return {**last, "text": "".join(text)}
 
     async def generate_stream(self, prompt_ids: list[int], image_embeds: list[Wire],
-                     options: dict) -> AsyncIterator[dict]:
-        async for delta in self.engine.generate(self._request(prompt_ids, image_embeds, options)):
+                              params: SamplingParams) -> AsyncIterator[dict]:
+        request = GenerationRequest(prompt_ids, [from_wire(e) for e in image_embeds], params)
+        async for delta in self.engine.generate(request):
             yield {"text": delta.text, "finished": delta.finished, "finish_reason": delta.finish_reason,
                    "prompt_tokens": delta.prompt_tokens, "completion_tokens": delta.completion_tokens}

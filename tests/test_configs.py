@@ -49,21 +49,56 @@ def serve_configs():
     return out
 
 
+def code_defaults() -> dict:
+    """Each deployment's options as the code sets them (decorators), by deployment name."""
+    from deployments.decoder_server import DecoderServer
+    from deployments.encoders import PathEncoder
+    from deployments.router import Router
+    return {name: {"max_ongoing_requests": d.max_ongoing_requests,
+                   "ray_actor_options": d.ray_actor_options}
+            for name, d in [("Router", Router), ("GlobalEncoder", PathEncoder),
+                            ("LocalEncoder", PathEncoder), ("Decoder", DecoderServer)]}
+
+
 @pytest.mark.parametrize("name", ["cpu-tiny", "gpu-shared", "gpu-separate", "kuberay"])
 def test_serve_configs_validate(name):
     config = serve_configs()[name]
     ServeDeploySchema.model_validate(config)
     (app,) = config["applications"]
     assert app["import_path"] == "deployments.app:build"
-    names = {d["name"] for d in app["deployments"]}
-    assert names == {"Router", "GlobalEncoder", "LocalEncoder", "Decoder"}
+    defaults = code_defaults()
     if name != "cpu-tiny":
+        assert {d["name"] for d in app["deployments"]} == set(defaults)
         for d in app["deployments"]:  # every tier autoscales, target below max_ongoing_requests
             auto = d["autoscaling_config"]
-            assert auto["target_ongoing_requests"] < d["max_ongoing_requests"]
+            max_ongoing = d.get("max_ongoing_requests", defaults[d["name"]]["max_ongoing_requests"])
+            assert auto["target_ongoing_requests"] < max_ongoing
             assert 1 <= auto["min_replicas"] <= auto["max_replicas"]
     from deployments.app import build
-    build({k: str(v) for k, v in app.get("args", {}).items()})  # the builder takes these args
+    from deployments.config import AppConfig
+    build(AppConfig.model_validate(app.get("args", {})))  # the builder takes these args
+
+
+@pytest.mark.parametrize("name", ["cpu-tiny", "gpu-shared", "gpu-separate"])
+def test_yamls_state_only_what_differs_from_the_code(name):
+    """No number is both a code default and a YAML value: a YAML restating a default would
+    silently stop following the code when the default changes."""
+    from deployments.config import AppConfig
+    (app,) = serve_configs()[name]["applications"]
+    for key, value in app.get("args", {}).items():
+        assert value != AppConfig.model_fields[key].default, (name, key)
+    defaults = code_defaults()
+    for d in app.get("deployments", []):
+        code = defaults[d["name"]]
+        if "max_ongoing_requests" in d:
+            assert d["max_ongoing_requests"] != code["max_ongoing_requests"], (name, d["name"])
+        for key, value in d.get("ray_actor_options", {}).items():
+            assert value != code["ray_actor_options"].get(key), (name, d["name"], key)
+
+
+def test_kuberay_runs_the_gpu_separate_config():
+    configs = serve_configs()
+    assert configs["kuberay"] == configs["gpu-separate"]
 
 
 def test_gpu_shared_fits_one_gpu():
@@ -74,7 +109,33 @@ def test_gpu_shared_fits_one_gpu():
     assert len(fractions) == 3 and sum(fractions) <= 0.95
 
 
-def test_builder_rejects_unknown_args():
-    from deployments.app import build
-    with pytest.raises(ValueError, match="unknown app arguments"):
-        build({"chekpoint": "/x"})
+@pytest.mark.parametrize("args, message", [
+    ({"chekpoint": "/x"}, "chekpoint"),
+    ({"max_images": "0"}, "max_images"),
+    ({"gpu_memory_fraction_local": 1.5}, "gpu_memory_fraction_local"),
+])
+def test_app_arguments_are_checked(args, message):
+    from pydantic import ValidationError
+
+    from deployments.config import AppConfig
+    with pytest.raises(ValidationError, match=message):
+        AppConfig.model_validate(args)
+
+
+def test_command_line_strings_become_typed_arguments():
+    from deployments.config import AppConfig
+    config = AppConfig.model_validate({"max_images": "8", "use_graphs": "false", "max_len": "2048"})
+    assert (config.max_images, config.use_graphs, config.max_len) == (8, False, 2048)
+
+
+def test_readme_documents_every_app_argument():
+    """The README's table of app arguments lists exactly AppConfig's fields and defaults."""
+    from deployments.config import AppConfig
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    section = readme.split("### App arguments", 1)[1].split("\n#", 1)[0]
+    rows = [line.split("|")[1:3] for line in section.splitlines() if line.startswith("| `")]
+    documented = {name.strip().strip("`"): default.strip().strip("`") for name, default in rows}
+    expected = {name: "none" if f.default is None else str(f.default).lower()
+                for name, f in AppConfig.model_fields.items()}
+    assert documented == expected

@@ -12,9 +12,10 @@ requests = pytest.importorskip("requests")
 from ray import serve  # noqa: E402
 
 from decoder import GenerationEngine, GenerationRequest, SamplingParams, build_prompt, load_decoder  # noqa: E402
+from deployments.config import AppConfig  # noqa: E402
 from decoder.tokenizer import ByteTokenizer  # noqa: E402
 from deployments.model_source import resolve_checkpoint  # noqa: E402
-from encoder import load_encoder  # noqa: E402
+from encoder import DualPathEncoder, load_encoder  # noqa: E402
 
 PORT = 8123
 URL = f"http://127.0.0.1:{PORT}"
@@ -40,7 +41,7 @@ def handle():
     ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     from deployments.app import build
-    app = build({"max_len": "2048", "max_images": "8"})
+    app = build(AppConfig(max_len=2048, max_images=8))
     yield serve.run(app, name=APP, route_prefix="/")
     serve.shutdown()
     ray.shutdown()
@@ -49,7 +50,7 @@ def handle():
 @pytest.fixture(scope="module")
 def local_models():
     directory, _ = resolve_checkpoint(None)
-    return load_encoder(directory), load_decoder(directory)
+    return DualPathEncoder(load_encoder(directory)), load_decoder(directory)
 
 
 @pytest.mark.parametrize("size, tokens", CASES)
@@ -57,7 +58,7 @@ def test_assembled_sequences_equal_encode_images(handle, local_models, size, tok
     image = picture(size, sum(size))
     (seq,) = handle.encode.remote(image).result(timeout_s=300)
     (expected,) = local_models[0].encode_images([image])
-    assert seq.shape == (tokens, local_models[0].args.n_embed)
+    assert seq.shape == (tokens, local_models[0].encoder.args.n_embed)
     assert seq.dtype == expected.dtype and seq.device == expected.device
     assert torch.equal(seq, expected)  # the same shapes run, alone: bit for bit
 
@@ -120,12 +121,22 @@ def test_concurrent_requests_batch_in_the_encoders(handle):
     ({"image": base64.b64encode(b"\x89PNG\r\n\x1a\n garbage").decode()}, "cannot decode"),
     ({"image": "***"}, "base64"),
     ({"image": "IMAGE", "prompt": "Free OCR."}, "<image> tag"),
-    ({"image": "IMAGE", "mode": "huge"}, "mode must be one of"),
+    ({"image": "IMAGE", "mode": "huge"}, "unknown mode 'huge'"),
     ({"image": "IMAGE", "max_tokens": 0}, "max_tokens"),
-], ids=["no-image", "corrupt-image", "not-base64", "prompt-without-tag", "wrong-mode", "bad-max-tokens"])
+    ({"image": "IMAGE", "max_tokens": "12"}, "max_tokens: Input should be a valid integer"),
+    ({"image": "IMAGE", "temprature": 0.5}, "temprature: unknown field"),
+    ({"image": "IMAGE", "self": 1}, "self: unknown field"),
+    ({"image": "IMAGE", "ngram": {"enabled": "no"}}, "ngram.enabled"),
+    ({"image": "IMAGE", "ngram": {"ngram_size": 40, "window": 20}}, "window 20 must be at least"),
+    ({"image": ["IMAGE"] * 3, "max_crops": 9, "prompt": "<image>" * 3},
+     "the decoder's context holds 2048"),
+], ids=["no-image", "corrupt-image", "not-base64", "prompt-without-tag", "wrong-mode",
+        "bad-max-tokens", "string-max-tokens", "unknown-field", "field-named-self", "ngram-not-bool",
+        "ngram-window", "over-the-context"])
 def test_bad_http_requests_get_400_and_replicas_stay_up(handle, body, message):
-    if body.get("image") == "IMAGE":
-        body["image"] = base64.b64encode(png(picture((64, 64), 1))).decode()
+    page = base64.b64encode(png(picture((1191, 1684), 1))).decode()
+    if body.get("image") == "IMAGE" or body.get("image") == ["IMAGE"] * 3:
+        body["image"] = page if body["image"] == "IMAGE" else [page] * 3
     response = requests.post(f"{URL}/v1/ocr", json=body, timeout=120)
     assert response.status_code == 400, response.text
     assert message in response.json()["error"]["message"]
@@ -135,7 +146,8 @@ def test_bad_http_requests_get_400_and_replicas_stay_up(handle, body, message):
 def test_http_ocr_multipart_and_encode(handle):
     data = png(picture((1400, 700), 9))
     response = requests.post(f"{URL}/v1/ocr", files={"image": ("page.png", data, "image/png")},
-                             data={"max_tokens": "3", "prompt": "<image>\nFree OCR."}, timeout=300)
+                             data={"max_tokens": "3", "prompt": "<image>\nFree OCR.",
+                                   "ngram": '{"enabled": false}'}, timeout=300)
     assert response.status_code == 200, response.text
     body = response.json()
     assert set(body) >= {"text", "usage", "model", "timings"}
@@ -147,7 +159,7 @@ def test_http_ocr_multipart_and_encode(handle):
 
 
 def test_handle_errors_name_the_problem(handle):
-    with pytest.raises(Exception, match="mode must be one of"):
+    with pytest.raises(Exception, match="unknown mode"):
         handle.encode.remote(picture((64, 64), 1), mode="huge").result(timeout_s=60)
     with pytest.raises(Exception, match="cannot decode image"):
         handle.ocr.remote(b"not an image").result(timeout_s=60)
@@ -155,7 +167,7 @@ def test_handle_errors_name_the_problem(handle):
 
 def test_encode_only_app(handle):
     from deployments.app import build
-    encode_only = serve.run(build({"encode_only": "true"}), name="encode-only", route_prefix="/enc")
+    encode_only = serve.run(build(AppConfig(encode_only=True)), name="encode-only", route_prefix="/enc")
     try:
         (seq,) = encode_only.encode.remote(picture((1400, 700), 3)).result(timeout_s=300)
         assert seq.shape[0] == 483

@@ -1,0 +1,119 @@
+"""What crosses the app's boundaries: the request options (validated in one place) and tensors on
+the wire between deployments.
+
+`OcrOptions` is the one options object of a request, for HTTP (JSON or multipart) and Python
+handle calls alike. Its limits are the libraries' own: the view options are checked by
+`encoder.preprocess.check_view_options`, the sampling options by `SamplingParams` and
+`NGramConfig`, so each rule and its message exist once; a bad value raises `BadRequest` (HTTP
+400) naming the field.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pydantic
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from decoder import DEFAULT_PROMPT, NGramConfig, SamplingParams
+from decoder.config import DecoderArgs
+from decoder.tokenizer import count_image_tags
+from encoder.preprocess import DEFAULT_MAX_CROPS, check_view_options
+
+# Generated tokens per request: at most the model's context.
+MAX_NEW_TOKENS = DecoderArgs().max_positions
+
+
+class BadRequest(ValueError):
+    """A request the caller must fix (HTTP 400); the message names the field."""
+
+
+class NGramOptions(BaseModel):
+    """The no-repeat-n-gram rule of one request (DeepSeek's 30/90 by default)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    enabled: bool = True
+    ngram_size: int = NGramConfig.ngram_size
+    window: int | None = None  # default: max(90, ngram_size)
+
+    def config(self) -> NGramConfig:
+        if not self.enabled:
+            return NGramConfig.off()
+        return NGramConfig(self.ngram_size, self.window or max(NGramConfig.window, self.ngram_size))
+
+
+class OcrOptions(BaseModel):
+    """Everything a request may set besides its images. Unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    prompt: str | None = None  # default: one <image> tag per image + DeepSeek's markdown prompt
+    mode: str = "gundam"
+    max_crops: int = DEFAULT_MAX_CROPS
+    max_tokens: int = Field(MAX_NEW_TOKENS, ge=1, le=MAX_NEW_TOKENS)
+    stop: str | list[str] = []
+    ngram: NGramOptions = NGramOptions()
+    stream: bool = False
+
+    @pydantic.model_validator(mode="after")
+    def _check(self):
+        check_view_options(self.mode, self.max_crops)  # ValueErrors become field errors
+        self.sampling()
+        return self
+
+    @classmethod
+    def parse(cls, options: dict, *, strict: bool = True) -> OcrOptions:
+        """`options` as sent; `strict=False` for multipart forms, whose values are all strings."""
+        try:
+            return cls.model_validate(options, strict=strict)
+        except pydantic.ValidationError as e:
+            raise BadRequest("; ".join(_describe(error) for error in e.errors())) from None
+
+    def sampling(self) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        return SamplingParams(max_tokens=self.max_tokens, stop=stop, ngram=self.ngram.config())
+
+    def prompt_for(self, n_images: int, max_images: int) -> str:
+        """The prompt for `n_images` images (the default one, or the caller's with one <image>
+        tag per image); BadRequest when the count is outside 1..max_images or tags disagree."""
+        if n_images == 0:
+            raise BadRequest("no image given (send 'image' as a file upload or base64 JSON)")
+        if n_images > max_images:
+            raise BadRequest(f"at most {max_images} images per request, got {n_images}")
+        if self.prompt is None:
+            return "<image>" * n_images + DEFAULT_PROMPT.removeprefix("<image>")
+        if count_image_tags(self.prompt) != n_images:
+            raise BadRequest(f"prompt must contain one <image> tag per image: it has "
+                             f"{count_image_tags(self.prompt)}, the request has {n_images} image(s)")
+        return self.prompt
+
+
+def _describe(error: dict) -> str:
+    field = ".".join(str(part) for part in error["loc"])
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        message = "unknown field"
+    return f"{field}: {message}" if field else message
+
+
+# -- tensors between deployments ----------------------------------------------------------------
+# CPU numpy arrays (pickle5 out-of-band buffers, read zero-copy from the object store on one
+# node). bf16 has no numpy dtype, so it travels as its int16 bit pattern with the dtype name.
+Wire = tuple[np.ndarray, str]
+
+
+def to_wire(t: torch.Tensor) -> Wire:
+    t = t.detach().to("cpu")
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy(), "bfloat16"
+    return t.numpy(), str(t.dtype).removeprefix("torch.")
+
+
+def from_wire(w: Wire) -> torch.Tensor:
+    array, dtype = w
+    # Arrays from the object store are read-only views of shared memory: wrap them without a
+    # copy; callers only read them (torch.cat, .to(device) make new tensors).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        t = torch.from_numpy(array)
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
