@@ -23,6 +23,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ class GenerationRequest:
     image_embeds: list[torch.Tensor] = field(default_factory=list)  # [n_i, hidden] per image
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = ""
+    prefilled_at: float | None = None  # time.monotonic() when its prefill started (queue time)
 
 
 @dataclass
@@ -183,6 +185,9 @@ class GenerationEngine:
         the padded cache positions are masked until decoding overwrites them), image
         embeddings merged at the placeholders, written into the next free slots."""
         lengths = [len(r.prompt_ids) for r in requests]
+        started = time.monotonic()
+        for request in requests:
+            request.prefilled_at = started
         ids = torch.zeros(len(requests), max(lengths), dtype=torch.long)
         for row, request in enumerate(requests):
             ids[row, :lengths[row]] = torch.tensor(request.prompt_ids)
@@ -311,6 +316,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._prepared = threading.Event()
         self._prepare_error: BaseException | None = None
+        self._progress = time.monotonic()  # when the engine thread last finished a step or idled
         self._thread = threading.Thread(target=self._loop, name="generation-engine", daemon=True)
         self._thread.start()
         # Graph capture happens on the engine thread; wait for it, so a replica is ready (and
@@ -319,6 +325,10 @@ class AsyncEngine:
         if self._prepare_error is not None:
             raise RuntimeError(f"generation engine failed to start: {self._prepare_error}") \
                 from self._prepare_error
+
+    def stalled_for(self) -> float:
+        """Seconds since the engine thread last finished a step while it had work (0 when idle)."""
+        return time.monotonic() - self._progress if self.engine.has_work() else 0.0
 
     @property
     def alive(self) -> bool:
@@ -377,9 +387,11 @@ class AsyncEngine:
             if not self.engine.has_work():
                 self._wake.wait()
                 self._wake.clear()
+                self._progress = time.monotonic()
                 continue
             try:
                 deltas = self.engine.step()
+                self._progress = time.monotonic()
             except Exception as e:  # fail the requests in flight, keep the engine serving
                 log.exception("generation step failed")
                 self.engine.reset()

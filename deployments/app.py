@@ -9,6 +9,8 @@ Replica counts, GPUs and autoscaling belong in the Serve config YAMLs; the decor
 code defaults (a quarter CPU each, so the four replicas of the tiny CPU app fit on 2 cores).
 """
 # No `from __future__ import annotations`: Serve reads the builder's argument type at runtime.
+import os
+
 from ray.serve import Application
 
 from .config import AppConfig
@@ -18,6 +20,12 @@ from .router import Router
 
 
 def build(config: AppConfig) -> Application:
+    if config.checkpoint and not os.path.isfile(os.path.join(config.checkpoint, "config.json")):
+        # Checked here, where the app is built, so `serve run` stops with this message instead of
+        # every replica failing its constructor over and over.
+        raise FileNotFoundError(f"checkpoint {config.checkpoint!r} has no config.json: give the "
+                                f"local directory of DeepSeek-OCR's released files (config.json, "
+                                f"model*.safetensors, tokenizer.json)")
     encoders = [PathEncoder.options(name=f"{path.capitalize()}Encoder").bind(path, config)
                 for path in ("global", "local")]
     decoder = None if config.encode_only else DecoderServer.options(name="Decoder").bind(config)

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# A replica whose batch or decode step has run this long fails its health check and is replaced:
+# a batch of 32 pages takes under a second on a GPU, and a decode step milliseconds.
+STUCK_AFTER_S = 300
+
 
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -27,6 +31,14 @@ class AppConfig(BaseModel):
     max_len: int | None = Field(
         None, ge=1024, description="decoder context in tokens; none: the checkpoint's")
     max_images_per_request: int = Field(16, ge=1, le=256, description="images in one request")
+    max_request_mb: int = Field(64, ge=1, le=2048, description="largest request body (HTTP 413 above)")
+    max_inflight_requests: int = Field(
+        64, ge=1, le=100_000, description="requests one Router replica works on; more get HTTP 503")
+    request_timeout_s: float = Field(
+        600, gt=0, le=3600, description="a request's time limit (HTTP 408), unless it sets timeout_s")
+    api_key: str | None = Field(
+        None, min_length=8, description="when set (or DEEPSEEK_OCR_API_KEY), every route but "
+        "/health needs `Authorization: Bearer <key>`")
     gpu_memory_fraction_global: float | None = Field(
         None, gt=0, le=1, description="GlobalEncoder's cap of its GPU's memory (shared GPUs)")
     gpu_memory_fraction_local: float | None = Field(

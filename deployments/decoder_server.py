@@ -7,6 +7,8 @@ yields deltas.
 """
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import AsyncIterator
 
 import ray
@@ -15,12 +17,16 @@ from ray import serve
 from decoder import (AsyncEngine, GenerationEngine, GenerationRequest, SamplingParams, load_decoder,
                      load_tokenizer)
 
-from .config import AppConfig
-from .model_source import cap_gpu_memory, device_and_dtype, resolve_checkpoint
+from .config import STUCK_AFTER_S, AppConfig
+from .metrics import decoder_metrics
+from .model_source import cap_gpu_memory, device_and_dtype, replica_id, resolve_checkpoint
 from .protocol import Wire, from_wire
 
 
-@serve.deployment(max_ongoing_requests=128, ray_actor_options={"num_cpus": 0.25})
+# max_queued_requests: past it, callers get BackPressureError at once (the router answers 503
+# with Retry-After) instead of queueing without bound.
+@serve.deployment(max_ongoing_requests=128, max_queued_requests=512,
+                  ray_actor_options={"num_cpus": 0.25})
 class DecoderServer:
     def __init__(self, config: AppConfig):
         cap_gpu_memory(config.gpu_memory_fraction("decoder"))
@@ -34,13 +40,22 @@ class DecoderServer:
 
     def stats(self) -> dict:
         engine = self.engine.engine
-        return {"model": self.model_label, "gpu_ids": ray.get_gpu_ids(),
+        return {"model": self.model_label, "replica": replica_id(), "pid": os.getpid(),
+                "gpu_ids": ray.get_gpu_ids(),
                 "decode_graphs": engine.decode_graphs is not None,
                 "running": len(engine.running), "waiting": len(engine.waiting)}
 
     def check_health(self):
         if not self.engine.alive:
             raise RuntimeError("generation engine thread died")
+        if self.engine.stalled_for() > STUCK_AFTER_S:
+            raise RuntimeError(f"generation engine stuck: no step for over {STUCK_AFTER_S} s")
+
+    def ready(self) -> dict:
+        """Answers once the constructor (weights, decode-graph capture) has finished."""
+        engine = self.engine.engine
+        return {"ready": self.engine.alive, "decode_graphs": engine.decode_graphs is not None,
+                "max_batch": engine.max_batch, "max_len": engine.max_len}
 
     async def generate(self, prompt_ids: list[int], image_embeds: list[Wire],
                        params: SamplingParams) -> dict:
@@ -53,6 +68,31 @@ class DecoderServer:
     async def generate_stream(self, prompt_ids: list[int], image_embeds: list[Wire],
                               params: SamplingParams) -> AsyncIterator[dict]:
         request = GenerationRequest(prompt_ids, [from_wire(e) for e in image_embeds], params)
-        async for delta in self.engine.generate(request):
-            yield {"text": delta.text, "finished": delta.finished, "finish_reason": delta.finish_reason,
-                   "prompt_tokens": delta.prompt_tokens, "completion_tokens": delta.completion_tokens}
+        metrics, arrived, first = decoder_metrics(), time.monotonic(), None
+        self._record_load()
+        try:
+            async for delta in self.engine.generate(request):
+                if first is None:
+                    first = time.monotonic()
+                    metrics["ttft_ms"].observe((first - arrived) * 1e3)
+                    if request.prefilled_at is not None:
+                        metrics["queue_ms"].observe((request.prefilled_at - arrived) * 1e3)
+                        metrics["prefill_ms"].observe((first - request.prefilled_at) * 1e3)
+                if delta.finished and delta.completion_tokens > 1:
+                    metrics["tpot_ms"].observe((time.monotonic() - first) * 1e3
+                                               / (delta.completion_tokens - 1))
+                yield {"text": delta.text, "finished": delta.finished,
+                       "finish_reason": delta.finish_reason, "prompt_tokens": delta.prompt_tokens,
+                       "completion_tokens": delta.completion_tokens}
+        finally:
+            self._record_load()
+
+    def _record_load(self) -> None:
+        """Running / waiting sequences and KV-cache use, read from the engine (its thread owns
+        them; a slightly stale reading is fine for a gauge)."""
+        engine, metrics = self.engine.engine, decoder_metrics()
+        running = list(engine.running)
+        metrics["running"].set(len(running))
+        metrics["waiting"].set(len(engine.waiting))
+        in_use = sum(s.length for s in running)
+        metrics["kv_cache_usage"].set(in_use / (engine.max_batch * engine.max_len))

@@ -11,6 +11,8 @@ buffers. On CPU it runs eagerly.
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,8 +21,9 @@ from ray import serve
 
 from encoder import DualPathEncoder, load_encoder
 
-from .config import AppConfig
-from .model_source import cap_gpu_memory, device_and_dtype, resolve_checkpoint
+from .config import STUCK_AFTER_S, AppConfig
+from .metrics import encoder_metrics
+from .model_source import cap_gpu_memory, device_and_dtype, replica_id, resolve_checkpoint
 from .protocol import Wire, from_wire, to_wire
 
 
@@ -29,7 +32,10 @@ def _views(requests: list[Wire]) -> int:
     return sum(1 if r[0].ndim == 3 else r[0].shape[0] for r in requests)
 
 
-@serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.25})
+# max_queued_requests: past it, callers get BackPressureError at once (the router answers 503
+# with Retry-After) instead of queueing without bound.
+@serve.deployment(max_ongoing_requests=256, max_queued_requests=1024,
+                  ray_actor_options={"num_cpus": 0.25})
 class PathEncoder:
     def __init__(self, path: str, config: AppConfig):
         if path not in ("global", "local"):
@@ -42,6 +48,7 @@ class PathEncoder:
         self.encode_batch.set_max_batch_size(runner.budgets.max_units)
         self.request_batches: Counter = Counter()  # requests per executed batch
         self.broken: str | None = None
+        self.busy_since: float | None = None  # when the batch on the worker thread started
 
     def _load(self, config: AppConfig) -> DualPathEncoder:
         device, dtype = device_and_dtype()
@@ -62,23 +69,57 @@ class PathEncoder:
         return await asyncio.get_running_loop().run_in_executor(self.worker, self._run_batch, requests)
 
     def _run_batch(self, requests: list[Wire]) -> list[Wire]:
+        self.busy_since = time.monotonic()
+        try:
+            return self._encode(requests)
+        finally:
+            self.busy_since = None
+
+    def _encode(self, requests: list[Wire]) -> list[Wire]:
         self.request_batches[len(requests)] += 1
         pixels = [from_wire(r) for r in requests]
         none = [None] * len(pixels)
+        before, start = self.engine.stats()[self.path], time.perf_counter()
         try:
             if self.path == "global":
-                return [to_wire(out.global_tokens) for out in self.engine.run(pixels, none)]
-            return [to_wire(out.crop_tokens) for out in self.engine.run(none, pixels)]
+                out = [to_wire(out.global_tokens) for out in self.engine.run(pixels, none)]
+            else:
+                out = [to_wire(out.crop_tokens) for out in self.engine.run(none, pixels)]
         except RuntimeError as e:
             if "CUDA" in str(e):  # a CUDA fault poisons the context: let Serve replace us
                 self.broken = f"{type(e).__name__}: {e}"
             raise
+        views = sum(len(p) if p.dim() == 4 else 1 for p in pixels)
+        self._record((time.perf_counter() - start) * 1e3, views, before, self.engine.stats()[self.path])
+        return out
+
+    def _record(self, ms: float, views: int, before: dict, after: dict) -> None:
+        metrics, tags = encoder_metrics(), {"path": self.path}
+        metrics["batch_ms"].observe(ms, tags=tags)
+        metrics["batch_views"].observe(views, tags=tags)
+        for result, key in (("hit", "graph_hits"), ("miss", "graph_misses")):
+            if after[key] > before[key]:
+                metrics["graph_batches"].inc(after[key] - before[key], tags={**tags, "result": result})
+        for kind, key in (("real", "real_tokens"), ("padded", "padded_tokens")):
+            if after[key] > before[key]:
+                metrics["tokens"].inc(after[key] - before[key], tags={**tags, "kind": kind})
 
     def check_health(self):
+        """Runs on the event loop while a batch runs on the worker thread: it answers at once,
+        and fails when the CUDA context faulted or one batch has been running for minutes."""
         if self.broken:
             raise RuntimeError(f"{self.path} encoder unusable after {self.broken}")
+        if self.busy_since is not None and time.monotonic() - self.busy_since > STUCK_AFTER_S:
+            raise RuntimeError(f"{self.path} encoder stuck: one batch running for over {STUCK_AFTER_S} s")
+
+    def ready(self) -> dict:
+        """Answers once the constructor (weights, graph capture) has finished."""
+        runner = self.engine.global_path or self.engine.local_path
+        return {"ready": True, "path": self.path, "graphs": len(runner.graphs),
+                "device": str(self.engine.encoder.device)}
 
     def stats(self) -> dict:
-        return {"path": self.path, "model": self.model_label, "gpu_ids": ray.get_gpu_ids(),
+        return {"path": self.path, "model": self.model_label, "replica": replica_id(),
+                "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids(),
                 "requests_per_batch": dict(sorted(self.request_batches.items())),
                 **self.engine.stats()[self.path]}

@@ -55,6 +55,16 @@ def resolve_checkpoint(checkpoint: str | None) -> tuple[str, str]:
     return _TINY_DIR, TINY_LABEL
 
 
+def replica_id() -> str | None:
+    """This Serve replica's id (a replaced replica gets a new one); None outside Serve."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:
+        return None
+
+
 def device_and_dtype() -> tuple[str, torch.dtype]:
     if torch.cuda.is_available():
         return "cuda", torch.bfloat16

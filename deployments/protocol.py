@@ -25,8 +25,21 @@ from encoder.preprocess import DEFAULT_MAX_CROPS, check_view_options
 MAX_NEW_TOKENS = DecoderArgs().max_positions
 
 
+MAX_STOP_STRINGS = 16
+
+
 class BadRequest(ValueError):
-    """A request the caller must fix (HTTP 400); the message names the field."""
+    """A request the caller must fix (HTTP 400); the message names the field or the problem."""
+
+    status = 400
+
+
+class PayloadTooLarge(BadRequest):
+    status = 413
+
+
+class UnsupportedMediaType(BadRequest):
+    status = 415
 
 
 class NGramOptions(BaseModel):
@@ -54,10 +67,19 @@ class OcrOptions(BaseModel):
     stop: str | list[str] = []
     ngram: NGramOptions = NGramOptions()
     stream: bool = False
+    timeout_s: float | None = Field(None, gt=0, le=3600)  # default: the app's request_timeout_s
 
     @pydantic.model_validator(mode="after")
     def _check(self):
         check_view_options(self.mode, self.max_crops)  # ValueErrors become field errors
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        for name, text in [("prompt", self.prompt or ""), *(("stop", s) for s in stops)]:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate (JSON allows "\ud800")
+                raise ValueError(f"{name} is not valid Unicode (lone surrogate at {e.start})") from None
         self.sampling()
         return self
 

@@ -17,7 +17,9 @@ import asyncio
 import base64
 import binascii
 import json
+import hmac
 import logging
+import os
 import statistics
 import time
 from collections import deque
@@ -26,9 +28,10 @@ from collections.abc import AsyncIterator
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import ReplicaUnavailableError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from common.checkpoint import read_config, read_tensors
@@ -37,8 +40,10 @@ from encoder import ImageError, assemble
 from encoder.preprocess import PendingImage, start_preprocess
 
 from .config import AppConfig
-from .model_source import resolve_checkpoint
-from .protocol import BadRequest, OcrOptions, from_wire, to_wire
+from .metrics import router_metrics
+from .model_source import replica_id, resolve_checkpoint
+from .protocol import (BadRequest, OcrOptions, PayloadTooLarge, UnsupportedMediaType, from_wire,
+                       to_wire)
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="DeepSeek-OCR on Ray Serve")
@@ -66,8 +71,28 @@ def _error_body(kind: str, message: str) -> dict:
     return {"error": {"type": kind, "message": message}}
 
 
-async def _read(request: Request) -> tuple[list[bytes], dict, bool]:
+def _overloaded(reason: str, message: str) -> JSONResponse:
+    response = JSONResponse(status_code=503, headers={"Retry-After": "1"},
+                            content=_error_body("overloaded", message))
+    response.reason = reason  # the metrics' rejection reason
+    return response
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException):
+    """Unknown routes (404) and wrong methods (405) answer in the same JSON shape as the rest."""
+    message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on "
+               f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
+    return JSONResponse(status_code=exc.status_code, headers=exc.headers,
+                        content=_error_body("invalid_request", message))
+
+
+async def _read(request: Request, max_bytes: int) -> tuple[list[bytes], dict, bool]:
     """(images, options as sent, whether the options are typed JSON values)."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise PayloadTooLarge(f"request body of {int(length)} bytes is over the limit of "
+                              f"{max_bytes} (max_request_mb)")
     content_type = request.headers.get("content-type", "")
     if content_type.startswith("multipart/form-data"):
         form = await request.form()
@@ -77,14 +102,24 @@ async def _read(request: Request) -> tuple[list[bytes], dict, bool]:
         if "ngram" in options:  # an object inside a form: JSON text
             options["ngram"] = _json_field(options["ngram"], "ngram")
         return images, options, False
+    if not content_type.startswith("application/json"):
+        raise UnsupportedMediaType(f"content-type must be application/json or multipart/form-data, "
+                                   f"got {content_type or 'none'!r}")
+    raw = await request.body()
+    if len(raw) > max_bytes:  # a body sent without a content-length
+        raise PayloadTooLarge(f"request body is over the limit of {max_bytes} bytes (max_request_mb)")
     try:
-        body = await request.json()
+        body = json.loads(raw)
     except ValueError:
-        raise BadRequest("body must be JSON or multipart/form-data") from None
+        raise BadRequest("body is not valid JSON") from None
     if not isinstance(body, dict):
         raise BadRequest("JSON body must be an object")
-    raw = body.pop("image", None) or body.pop("images", None) or []
-    return [_decode_base64(b) for b in (raw if isinstance(raw, list) else [raw])], body, True
+    if "image" in body and "images" in body:
+        raise BadRequest("send 'image' or 'images', not both")
+    images = body.pop("image", None)
+    images = body.pop("images", None) if images is None else images
+    images = [] if images is None else images
+    return [_decode_base64(b) for b in (images if isinstance(images, list) else [images])], body, True
 
 
 def _json_field(value: str, name: str):
@@ -96,11 +131,15 @@ def _json_field(value: str, name: str):
 
 def _decode_base64(value) -> bytes:
     if not isinstance(value, str):
-        raise BadRequest("images in JSON must be base64 strings")
+        raise BadRequest(f"images in JSON must be base64 strings, got {type(value).__name__}")
     if value.startswith("data:"):
-        value = value.partition(",")[2]
-    try:
-        return base64.b64decode(value, validate=True)
+        header, _, value = value.partition(",")
+        if not header.startswith(("data:image/", "data:application/octet-stream")) \
+                or not header.endswith(";base64"):
+            raise BadRequest(f"a data: URL image must be 'data:image/...;base64,...', got "
+                             f"{header[:60]!r}")
+    try:  # line-wrapped base64 (what `base64` and `base64.encodebytes` write) is fine
+        return base64.b64decode("".join(value.split()), validate=True)
     except (binascii.Error, ValueError):
         raise BadRequest("image is not valid base64") from None
 
@@ -119,6 +158,8 @@ class Router:
         self.tokenizer = load_tokenizer(directory if config.checkpoint else None) if decoder else None
         self.max_len = config.max_len or DecoderArgs.from_config(read_config(directory)).max_positions
         self.recent: deque[dict] = deque(maxlen=1000)  # per-request stage timings
+        self.inflight = 0  # HTTP requests being worked on (admission control)
+        self.api_key = config.api_key or os.environ.get("DEEPSEEK_OCR_API_KEY") or None
 
     # -- Python handle API ------------------------------------------------------------------
     async def encode(self, image, mode: str = "gundam", max_crops: int = 6) -> list[torch.Tensor]:
@@ -138,6 +179,10 @@ class Router:
         async for delta in await self._ocr_stream(image, OcrOptions.parse({**options, "prompt": prompt})):
             yield delta
 
+    def stats(self) -> dict:
+        return {"model": self.model_label, "replica": replica_id(), "pid": os.getpid(),
+                "requests": len(self.recent)}
+
     def timings(self) -> dict:
         """Median ms per stage over the last 1,000 requests: preprocess (until the crops are
         ready; the global view is already encoding by then), encode (until both paths
@@ -154,6 +199,7 @@ class Router:
         result = await call_with_retry(self.decoder.generate, ids, [to_wire(s) for s in seqs],
                                        options.sampling())
         timings["decode_ms"] = (time.perf_counter() - start) * 1e3
+        self._record_generation(result, seqs, timings["decode_ms"])
         return {"text": result["text"], "finish_reason": result["finish_reason"],
                 "model": self.model_label,
                 "usage": {"prompt_tokens": result["prompt_tokens"],
@@ -169,9 +215,21 @@ class Router:
             ids, [to_wire(s) for s in seqs], options.sampling())
 
         async def deltas():
+            start = time.perf_counter()
             async for delta in stream:
+                if delta["finished"]:
+                    self._record_generation(delta, seqs, (time.perf_counter() - start) * 1e3)
                 yield {**delta, "model": self.model_label}
         return deltas()
+
+    def _record_generation(self, result: dict, seqs, decode_ms: float) -> None:
+        metrics = router_metrics()
+        metrics["stage"].observe(decode_ms, tags={"stage": "decode"})
+        metrics["finish"].inc(tags={"reason": result["finish_reason"] or "unknown"})
+        for kind, count in (("image", sum(s.shape[0] for s in seqs)),
+                            ("prompt", result["prompt_tokens"]),
+                            ("completion", result["completion_tokens"])):
+            metrics["tokens"].inc(count, tags={"kind": kind})
 
     async def _encode_prompt(self, image, options: OcrOptions):
         """Steps 1-4: validate, preprocess, check the context, encode -> (prompt ids, sequences,
@@ -207,6 +265,8 @@ class Router:
                    "assemble_ms": sum(t["assemble_ms"] for t in stages),
                    "total_ms": (time.perf_counter() - start) * 1e3}
         self.recent.append(timings)
+        for stage in ("preprocess", "encode", "assemble"):
+            router_metrics()["stage"].observe(timings[f"{stage}_ms"], tags={"stage": stage})
         return seqs, timings
 
     async def _encode_one(self, pending: PendingImage, start: float):
@@ -237,14 +297,21 @@ class Router:
             if not options.stream:
                 return await self._ocr(images, options)
             deltas = await self._ocr_stream(images, options)
+            limit = options.timeout_s or self.config.request_timeout_s
 
             async def events():  # server-sent events: one JSON delta each, then [DONE]
                 try:
-                    async for delta in deltas:
-                        yield f"data: {json.dumps(delta)}\n\n"
-                except Exception:  # noqa: BLE001 - the stream has begun: report it in-band
+                    async with asyncio.timeout(limit):
+                        async for delta in deltas:
+                            yield f"data: {json.dumps(delta)}\n\n"
+                except TimeoutError:  # the stream has begun: report it in-band
+                    error = _error_body("timeout", f"the request took longer than {limit:g} s")
+                    yield f"data: {json.dumps(error)}\n\n"
+                except Exception:  # noqa: BLE001
                     log.exception("stream failed")
                     yield f"data: {json.dumps(_error_body('internal_error', 'generation failed'))}\n\n"
+                finally:
+                    await deltas.aclose()  # a client that went away frees its decoder slot
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
         return await self._guard(request, work)
@@ -262,16 +329,86 @@ class Router:
 
     @api.get("/health")
     async def health(self):
+        """Liveness: this Router replica answers (no model call, no key needed)."""
         return {"status": "ok", "model": self.model_label}
 
+    @api.get("/ready")
+    async def ready(self, request: Request):
+        """Readiness: 200 once every tier has loaded its weights and captured its graphs (each
+        answers its `ready` call within a second), else 503 naming the tiers that are not."""
+        refused = self._refuse_without_key(request)
+        if refused is not None:
+            return refused
+        tiers = {"GlobalEncoder": self.global_encoder, "LocalEncoder": self.local_encoder}
+        if self.decoder is not None:
+            tiers["Decoder"] = self.decoder
+
+        async def state(handle):
+            try:
+                return await asyncio.wait_for(handle.ready.remote(), timeout=1.0)
+            except Exception as e:  # noqa: BLE001 - not up yet, or failing: both mean not ready
+                return {"ready": False, "reason": type(e).__name__}
+        states = dict(zip(tiers, await asyncio.gather(*(state(h) for h in tiers.values()))))
+        waiting = [name for name, st in states.items() if not st.get("ready")]
+        body = {"status": "ready" if not waiting else "not ready", "not_ready": waiting,
+                "tiers": states, "model": self.model_label}
+        return JSONResponse(status_code=503 if waiting else 200, content=body,
+                            headers={"Retry-After": "5"} if waiting else None)
+
+    def _refuse_without_key(self, request: Request) -> JSONResponse | None:
+        if self.api_key is None:
+            return None
+        sent = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(sent, f"Bearer {self.api_key}".encode()):  # constant time
+            return JSONResponse(status_code=401, headers={"WWW-Authenticate": "Bearer"},
+                                content=_error_body("authentication_error",
+                                                    "missing or wrong API key (Authorization: Bearer <key>)"))
+        return None
+
     async def _guard(self, request: Request, work):
-        """Read the body, validate its options, run `work`; errors answer in one JSON shape."""
+        """`_answer`, counted in the metrics by endpoint and status."""
+        start = time.perf_counter()
+        response = await self._answer(request, work)
+        status = getattr(response, "status_code", 200)
+        metrics = router_metrics()
+        metrics["requests"].inc(tags={"endpoint": request.url.path, "status": str(status)})
+        metrics["latency"].observe((time.perf_counter() - start) * 1e3, tags={"endpoint": request.url.path})
+        if status >= 400:
+            reason = getattr(response, "reason", None) or {401: "unauthorized", 408: "timeout",
+                                                          413: "too_large", 500: "internal"}.get(status, "invalid")
+            metrics["rejections"].inc(tags={"reason": reason})
+        return response
+
+    async def _answer(self, request: Request, work):
+        """Check the key, admit (or refuse with 503 when this replica is full), read the body,
+        validate its options, run `work` within the request's time limit; every error answers
+        in one JSON shape."""
+        refused = self._refuse_without_key(request)
+        if refused is not None:
+            return refused
+        if self.inflight >= self.config.max_inflight_requests:
+            return _overloaded("overloaded", f"the server is at its limit of "
+                               f"{self.config.max_inflight_requests} requests in flight; retry shortly")
+        self.inflight += 1
         try:
-            images, options, strict = await _read(request)
-            return await work(images, OcrOptions.parse(options, strict=strict))
+            images, options, strict = await _read(request, self.config.max_request_mb << 20)
+            options = OcrOptions.parse(options, strict=strict)
+            limit = options.timeout_s or self.config.request_timeout_s
+            return await asyncio.wait_for(work(images, options), timeout=limit)
         except (BadRequest, ImageError) as e:
-            return JSONResponse(status_code=400, content=_error_body("invalid_request", str(e)))
+            return JSONResponse(status_code=getattr(e, "status", 400),
+                                content=_error_body("invalid_request", str(e)))
+        except asyncio.TimeoutError:
+            return JSONResponse(status_code=408, content=_error_body(
+                "timeout", f"the request took longer than its limit of {limit:g} s (timeout_s)"))
+        except BackPressureError:
+            return _overloaded("backpressure", "a model tier's queue is full; retry shortly")
+        except RETRYABLE + (DeploymentUnavailableError,):
+            return _overloaded("replica_lost", "a model replica was lost and is being replaced; "
+                               "retry shortly")
         except Exception:  # noqa: BLE001 - the replica must answer, not die
             log.exception("request failed")
             return JSONResponse(status_code=500,
                                 content=_error_body("internal_error", "internal error (see the server log)"))
+        finally:
+            self.inflight -= 1

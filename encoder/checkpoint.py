@@ -10,14 +10,17 @@ import os
 
 import torch
 
-from common.checkpoint import (build_module, check_state_dict, random_state_dict, read_config,
-                               read_tensors, save_checkpoint)
+from common.checkpoint import (CheckpointError, build_module, check_state_dict, random_state_dict,
+                               read_config, read_tensors, save_checkpoint)
 
 from .config import EncoderArgs
 from .model import DeepEncoder
 
 VISION_PREFIXES = ("model.sam_model.", "model.vision_model.", "model.projector.",
                    "model.image_newline", "model.view_seperator")
+# CLIP's non-learned position-ids buffer: checkpoints re-saved by transformers (every fine-tune)
+# carry it. It must be 0..N-1; then it is dropped (the model computes positions itself).
+POSITION_IDS = "model.vision_model.embeddings.position_ids"
 
 
 def _is_vision_key(key: str) -> bool:
@@ -28,6 +31,10 @@ def load_encoder(path: str | os.PathLike, device="cpu", dtype=torch.float32) -> 
     """Build the vision encoder from a checkpoint directory (released layout) in eval mode."""
     args = EncoderArgs.from_config(read_config(path))
     tensors = read_tensors(path, _is_vision_key)
+    position_ids = tensors.pop(POSITION_IDS, None)
+    if position_ids is not None and not torch.equal(position_ids.flatten().long(),
+                                                    torch.arange(position_ids.numel())):
+        raise CheckpointError(f"checkpoint {os.fspath(path)}: {POSITION_IDS} is not 0..N-1")
     check_state_dict(tensors, vision_shapes(args), os.fspath(path))
     return _build(args, tensors, device, dtype)
 

@@ -42,3 +42,33 @@ def tiny_checkpoint(tmp_path_factory, tiny_args):
 @pytest.fixture(scope="session")
 def tiny_encoder(tiny_checkpoint):
     return load_encoder(tiny_checkpoint)
+
+
+SERVE_PORT = 8123
+SERVE_URL = f"http://127.0.0.1:{SERVE_PORT}"
+METRICS_PORT = 8125  # Ray's Prometheus export of this test cluster
+SERVE_APP = "ocr-test"
+
+
+@pytest.fixture(scope="module")
+def serve_app():
+    """The app (tiny model, CPU, max_len 2048, max_images 8) on a real Ray cluster for one test
+    module: a handle to its Router; HTTP on SERVE_URL."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from deployments.app import build
+    from deployments.config import AppConfig
+    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True,
+             _metrics_export_port=METRICS_PORT)
+    serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
+    yield serve.run(build(AppConfig(max_len=2048, max_images=8)), name=SERVE_APP, route_prefix="/")
+    serve.shutdown()
+    ray.shutdown()
+
+
+def replica_ids() -> dict[str, str]:
+    """Each deployment's replica id (one replica each): a replaced replica shows a new id."""
+    from ray import serve
+    return {name: serve.get_deployment_handle(name, SERVE_APP).stats.remote().result(timeout_s=60)["replica"]
+            for name in ("Router", "GlobalEncoder", "LocalEncoder", "Decoder")}

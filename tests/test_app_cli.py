@@ -18,8 +18,11 @@ def test_serve_run_subprocess(tmp_path):
     serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     log = open(tmp_path / "serve.log", "w")
+    # SIGINT back to its default: a test runner started in the background ignores it, and its
+    # children would inherit that, so Ctrl-C below would do nothing.
     proc = subprocess.Popen([serve_cli, "run", "deployments.app:app"], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 300
         while time.time() < deadline:
@@ -49,3 +52,13 @@ def test_serve_run_subprocess(tmp_path):
             code = "killed"
         log.close()
     assert code == 0, (code, open(tmp_path / "serve.log").read()[-3000:])
+
+
+def test_serve_run_of_a_missing_checkpoint_fails_with_one_clear_message(tmp_path):
+    serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    done = subprocess.run([serve_cli, "run", "deployments.app:build", f"checkpoint={tmp_path}/nope"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode != 0
+    assert "has no config.json" in done.stdout + done.stderr

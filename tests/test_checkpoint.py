@@ -72,6 +72,24 @@ def test_language_keys_are_ignored(tmp_path, tiny_args):
     load_encoder(path)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+def test_transformers_resaved_checkpoint_with_position_ids_loads(tmp_path, tiny_args, tiny_checkpoint, dtype):
+    """What every fine-tune saves: CLIP's position-ids buffer [1, 257], any float dtype."""
+    path = write_random_checkpoint(tmp_path, tiny_args, dtype=dtype, extra_tensors={
+        "model.vision_model.embeddings.position_ids": torch.arange(257)[None]})
+    encoder = load_encoder(path)
+    assert encoder.dtype == torch.float32
+    if dtype == torch.float32:
+        assert torch.equal(features(encoder), features(load_encoder(tiny_checkpoint)))
+
+
+def test_position_ids_that_are_not_positions_are_refused(tmp_path, tiny_args):
+    path = write_random_checkpoint(tmp_path, tiny_args, extra_tensors={
+        "model.vision_model.embeddings.position_ids": torch.arange(257).flip(0)[None]})
+    with pytest.raises(CheckpointError, match="position_ids is not 0..N-1"):
+        load_encoder(path)
+
+
 def _rewrite(path, edit):
     file = os.path.join(path, SINGLE_FILE)
     tensors = load_file(file)

@@ -76,7 +76,11 @@ def test_serve_configs_validate(name):
             assert 1 <= auto["min_replicas"] <= auto["max_replicas"]
     from deployments.app import build
     from deployments.config import AppConfig
-    build(AppConfig.model_validate(app.get("args", {})))  # the builder takes these args
+    from deployments.model_source import resolve_checkpoint
+    config = AppConfig.model_validate(app.get("args", {}))  # the builder takes these args
+    if config.checkpoint:  # the weights' place on a GPU node; here the tiny model stands in
+        config = config.model_copy(update={"checkpoint": resolve_checkpoint(None)[0]})
+    build(config)
 
 
 @pytest.mark.parametrize("name", ["cpu-tiny", "gpu-shared", "gpu-separate"])

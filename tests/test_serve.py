@@ -1,4 +1,4 @@
-"""The Serve application on a real (session-scoped) Ray cluster, CPU, tiny random model."""
+"""The Serve application on a real Ray cluster (tests/conftest.py: serve_app), CPU, tiny random model."""
 import base64
 import io
 import json
@@ -12,14 +12,13 @@ requests = pytest.importorskip("requests")
 from ray import serve  # noqa: E402
 
 from decoder import GenerationEngine, GenerationRequest, SamplingParams, build_prompt, load_decoder  # noqa: E402
-from deployments.config import AppConfig  # noqa: E402
 from decoder.tokenizer import ByteTokenizer  # noqa: E402
+from deployments.config import AppConfig  # noqa: E402
 from deployments.model_source import resolve_checkpoint  # noqa: E402
 from encoder import DualPathEncoder, load_encoder  # noqa: E402
+from tests.conftest import SERVE_APP as APP  # noqa: E402
+from tests.conftest import SERVE_URL as URL  # noqa: E402
 
-PORT = 8123
-URL = f"http://127.0.0.1:{PORT}"
-APP = "ocr-test"
 # untiled photo, A4 page at 144 dpi (2x3), 1x6 strip, an image <= 640 (never tiled)
 CASES = [((448, 448), 273), ((1191, 1684), 903), ((640, 3840), 933), ((500, 300), 273)]
 
@@ -37,14 +36,8 @@ def png(image) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def handle():
-    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    from deployments.app import build
-    app = build(AppConfig(max_len=2048, max_images=8))
-    yield serve.run(app, name=APP, route_prefix="/")
-    serve.shutdown()
-    ray.shutdown()
+def handle(serve_app):
+    return serve_app
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +99,14 @@ def test_concurrent_requests_batch_in_the_encoders(handle):
     responses = [handle.ocr.remote(picture(size, i), max_tokens=4) for i, size in enumerate(sizes)]
     results = [r.result(timeout_s=600) for r in responses]
     assert all(r["usage"]["completion_tokens"] == 4 for r in results)
-    stats = [serve.get_deployment_handle(name, APP).stats.remote().result()
-             for name in ("GlobalEncoder", "LocalEncoder")]
-    assert max(max(s["requests_per_batch"]) for s in stats) > 1, stats
+    # Calls that reach an encoder together are encoded together: 16 global views sent at once
+    # (through the router, arrival depends on its preprocessing pace, so they are sent directly).
+    from deployments.protocol import to_wire
+    encoder = serve.get_deployment_handle("GlobalEncoder", APP)
+    view = to_wire(torch.zeros(3, 1024, 1024, dtype=torch.uint8))
+    assert all(r.result(timeout_s=300)[0].shape[0] == 272 for r in [encoder.encode.remote(view) for _ in range(16)])
+    stats = encoder.stats.remote().result()
+    assert max(stats["requests_per_batch"]) > 1, stats
     decoder = serve.get_deployment_handle("Decoder", APP).stats.remote().result()
     assert decoder["decode_graphs"] is False and decoder["running"] >= 0  # CPU: eager decoding
     stages = handle.timings.remote().result()
@@ -175,3 +173,27 @@ def test_encode_only_app(handle):
             encode_only.ocr.remote(picture((64, 64), 1)).result(timeout_s=60)
     finally:
         serve.delete("encode-only")
+
+
+def test_readme_handle_example_runs_from_a_second_process(handle, tmp_path):
+    """The README's Python-handle block, as written, in a fresh interpreter that joins this
+    cluster; only the app name and the image path are this test's."""
+    import os
+    import re
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md")).read()
+    section = readme.split("## Usage: Python handles", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    page = tmp_path / "page.png"
+    picture((1191, 1684), 5).save(page)
+    code = (code.replace('"default"', repr(APP)).replace("/abs/path/page.png", str(page))
+            .replace('open("page.png"', f'open({str(page)!r}'))
+    script = tmp_path / "example.py"
+    script.write_text(code + "\nprint('RESULT', result['usage'], seq.shape)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RESULT {'prompt_tokens'" in done.stdout and "torch.Size([903, 64])" in done.stdout

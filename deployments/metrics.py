@@ -1,0 +1,67 @@
+"""The app's own Prometheus metrics, through `ray.serve.metrics` (README: "Metrics").
+
+Serve adds the `deployment`, `replica` and `application` tags and exports every series on Ray's
+metrics port as `ray_<name>` (counters with a `_total` suffix), beside Serve's own request,
+latency and queue series. Each deployment creates the metrics it records, once per process.
+"""
+from __future__ import annotations
+
+from functools import cache
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+MS_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000, 30_000, 60_000, 300_000]
+VIEW_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+@cache
+def router_metrics() -> dict:
+    return {
+        "requests": Counter("ocr_requests", "HTTP requests answered, by endpoint and status",
+                            tag_keys=("endpoint", "status")),
+        "rejections": Counter("ocr_rejections", "requests refused, by reason (overloaded, "
+                              "backpressure, timeout, invalid, too_large, unauthorized, replica_lost)",
+                              tag_keys=("reason",)),
+        "latency": Histogram("ocr_request_latency_ms", "whole request, by endpoint",
+                             boundaries=MS_BUCKETS, tag_keys=("endpoint",)),
+        "stage": Histogram("ocr_stage_latency_ms", "router stages: preprocess (until the crops are "
+                           "ready), encode (both paths answered), assemble, decode",
+                           boundaries=MS_BUCKETS, tag_keys=("stage",)),
+        "tokens": Counter("ocr_tokens", "tokens by kind: image, prompt, completion",
+                          tag_keys=("kind",)),
+        "finish": Counter("ocr_finish_reasons", "finished generations by reason (eos, stop, length: "
+                          "a page that ran to max_tokens)", tag_keys=("reason",)),
+    }
+
+
+@cache
+def encoder_metrics() -> dict:
+    return {
+        "batch_views": Histogram("ocr_encoder_batch_views", "views per executed batch, by path",
+                                 boundaries=VIEW_BUCKETS, tag_keys=("path",)),
+        "batch_ms": Histogram("ocr_encoder_batch_ms", "encode time of one request batch, by path",
+                              boundaries=MS_BUCKETS, tag_keys=("path",)),
+        "graph_batches": Counter("ocr_encoder_graph_batches", "planned batches by path and result "
+                                 "(hit: a captured graph replayed; miss: ran eagerly)",
+                                 tag_keys=("path", "result")),
+        "tokens": Counter("ocr_encoder_tokens", "tokens computed by path and kind (real, padded: "
+                          "padding fraction = padded / (real + padded))", tag_keys=("path", "kind")),
+    }
+
+
+@cache
+def decoder_metrics() -> dict:
+    return {
+        "running": Gauge("ocr_decoder_running", "sequences being decoded"),
+        "waiting": Gauge("ocr_decoder_waiting", "requests waiting for a slot"),
+        "kv_cache_usage": Gauge("ocr_decoder_kv_cache_usage",
+                                "fraction of the KV cache's token positions in use"),
+        "queue_ms": Histogram("ocr_decoder_queue_ms", "from arrival to the start of its prefill",
+                              boundaries=MS_BUCKETS),
+        "prefill_ms": Histogram("ocr_decoder_prefill_ms", "from the start of its prefill to its "
+                                "first token", boundaries=MS_BUCKETS),
+        "ttft_ms": Histogram("ocr_decoder_time_to_first_token_ms", "from arrival to the first "
+                             "token (queue + prefill)", boundaries=MS_BUCKETS),
+        "tpot_ms": Histogram("ocr_decoder_time_per_output_token_ms", "decode time per token after "
+                             "the first", boundaries=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]),
+    }

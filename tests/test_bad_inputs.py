@@ -1,0 +1,216 @@
+"""Odd and bad inputs sent to the running app over HTTP (tiny model, CPU, real Serve).
+
+Odd but valid images answer 200 with the image-token count of their tiling; invalid requests
+answer a 4xx JSON error naming the problem, never a 500 and never a traceback; and afterwards
+every replica is the one that started (none crashed or was replaced).
+"""
+import base64
+import io
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from PIL import Image
+
+requests = pytest.importorskip("requests")
+pytest.importorskip("ray")
+
+from tests.conftest import SERVE_URL, replica_ids  # noqa: E402
+
+OCR = f"{SERVE_URL}/v1/ocr"
+
+
+def encoded(image: Image.Image, fmt: str, **save) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, fmt, **save)
+    return buf.getvalue()
+
+
+def page(size=(1191, 1684), color=(250, 250, 250)) -> Image.Image:
+    return Image.new("RGB", size, color)
+
+
+def exif_rotated_jpeg() -> bytes:
+    """1000x500 pixels stored, EXIF orientation 6 (rotate 90°): a 500x1000 image to a viewer."""
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    return encoded(Image.new("RGB", (1000, 500), (30, 60, 90)), "JPEG", exif=exif)
+
+
+def animated_gif() -> bytes:
+    frames = [Image.new("P", (300, 200), i) for i in range(3)]
+    buf = io.BytesIO()
+    frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    return buf.getvalue()
+
+
+def palette_with_transparency() -> bytes:
+    image = Image.new("P", (300, 300), 0)
+    image.putpalette([0, 0, 0, 255, 0, 0] + [0] * 762)
+    return encoded(image, "PNG", transparency=0)
+
+
+def decompression_bomb() -> bytes:
+    """A 20,000 x 20,000 PNG in a few hundred kilobytes (one colour compresses to nothing)."""
+    return encoded(Image.new("1", (20_000, 20_000), 0), "PNG", optimize=True)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+# name -> image bytes, image tokens (the token count of the image's tiling, as in the model card)
+ODD_BUT_VALID = {
+    "cmyk-jpeg": (lambda: encoded(Image.new("CMYK", (800, 600), (0, 50, 100, 0)), "JPEG"), 893),
+    "16-bit-grey": (lambda: encoded(Image.new("I;16", (300, 200), 40_000), "PNG"), 273),
+    "1-bit": (lambda: encoded(Image.new("1", (700, 700), 1), "PNG"), 693),
+    "palette-transparency": (palette_with_transparency, 273),
+    "grey-alpha": (lambda: encoded(Image.new("LA", (500, 500), (90, 128)), "PNG"), 273),
+    "1x1": (lambda: encoded(Image.new("RGB", (1, 1)), "PNG"), 273),
+    "10x10": (lambda: encoded(Image.new("RGB", (10, 10)), "PNG"), 273),
+    "640x640": (lambda: encoded(page((640, 640)), "PNG"), 273),
+    "641x100": (lambda: encoded(page((641, 100)), "PNG"), 883),
+    "strip-163x4096": (lambda: encoded(page((163, 4096)), "PNG"), 933),
+    "strip-4096x163": (lambda: encoded(page((4096, 163)), "PNG"), 883),
+    "exif-rotated": (exif_rotated_jpeg, 493),
+    "blank-page": (lambda: encoded(page(), "PNG"), 903),
+    "animated-gif-first-frame": (animated_gif, 273),
+    "8000x8000-at-the-64mp-limit": (lambda: encoded(Image.new("L", (8000, 8000), 255), "PNG"), 693),
+}
+
+
+@pytest.fixture(scope="module")
+def app(serve_app):
+    """The running app, and its replicas' ids before the first bad request."""
+    return replica_ids()
+
+
+@pytest.mark.parametrize("name", sorted(ODD_BUT_VALID))
+def test_odd_but_valid_images_are_read(app, name):
+    make, tokens = ODD_BUT_VALID[name]
+    response = requests.post(OCR, json={"image": b64(make()), "max_tokens": 1}, timeout=300)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["image_tokens"] == tokens
+
+
+def tiny_png() -> str:
+    return b64(encoded(Image.new("RGB", (64, 64), (1, 2, 3)), "PNG"))
+
+
+def a4() -> str:
+    return b64(encoded(page(), "PNG"))
+
+# name -> (makes the JSON body, or (content type, raw body)), expected status, words of the message
+BAD = {
+    "zero-bytes": (lambda: {"image": ""}, 400, "empty image data"),
+    "truncated-jpeg": (lambda: {"image": b64(encoded(page((900, 900)), "JPEG")[:2000])}, 400, "cannot decode image"),
+    "truncated-png": (lambda: {"image": b64(encoded(page((900, 900), (9, 99, 199)), "PNG")[:300])}, 400, "cannot decode image"),
+    "random-bytes": (lambda: {"image": b64(random.Random(0).randbytes(5000))}, 400, "cannot decode image"),
+    "text": (lambda: {"image": b64(b"Just some text, not an image.\n")}, 400, "cannot decode image"),
+    "html": (lambda: {"image": b64(b"<!doctype html><html><body>hi</body></html>")}, 400, "cannot decode image"),
+    "svg": (lambda: {"image": b64(b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"/>')},
+            400, "cannot decode image"),
+    "decompression-bomb": (lambda: {"image": b64(decompression_bomb())}, 400, "image too large"),
+    "invalid-base64": (lambda: {"image": "not base64 at all!"}, 400, "not valid base64"),
+    "data-url-wrong-type": (lambda: {"image": "data:text/plain;base64," + b64(b"hello")}, 400, "data: URL"),
+    "image-a-number": (lambda: {"image": 12345}, 400, "base64 strings, got int"),
+    "image-null": (lambda: {"image": None}, 400, "no image given"),
+    "no-image": (lambda: {"max_tokens": 3}, 400, "no image given"),
+    "100-images": (lambda: {"images": [tiny_png()] * 100}, 400, "at most 16 images"),
+    "prompt-without-tag": (lambda: {"image": "PNG", "prompt": "Free OCR."}, 400, "one <image> tag per image"),
+    "two-tags-one-image": (lambda: {"image": "PNG", "prompt": "<image><image>x"}, 400, "it has 2"),
+    "max-tokens-0": (lambda: {"image": "PNG", "max_tokens": 0}, 400, "max_tokens"),
+    "max-tokens-negative": (lambda: {"image": "PNG", "max_tokens": -1}, 400, "max_tokens"),
+    "max-tokens-1e9": (lambda: {"image": "PNG", "max_tokens": 10 ** 9}, 400, "max_tokens"),
+    "max-tokens-abc": (lambda: {"image": "PNG", "max_tokens": "abc"}, 400, "max_tokens"),
+    "unknown-mode": (lambda: {"image": "PNG", "mode": "huge"}, 400, "unknown mode"),
+    "max-crops-0": (lambda: {"image": "PNG", "max_crops": 0}, 400, "max_crops"),
+    "max-crops-1": (lambda: {"image": "PNG", "max_crops": 1}, 400, "max_crops"),
+    "max-crops-10": (lambda: {"image": "PNG", "max_crops": 10}, 400, "max_crops"),
+    "max-crops-100": (lambda: {"image": "PNG", "max_crops": 100}, 400, "max_crops"),
+    "unknown-field": (lambda: {"image": "PNG", "temperature": 0.2}, 400, "temperature: unknown field"),
+    "field-named-self": (lambda: {"image": "PNG", "self": 1}, 400, "self: unknown field"),
+    "lone-surrogate-prompt": (lambda: {"image": "PNG", "prompt": "<image>\ud800"}, 400, "lone surrogate"),
+    "1000-stop-strings": (lambda: {"image": "PNG", "stop": [f"s{i}" for i in range(1000)]}, 400, "at most 16 stop"),
+    "empty-stop-string": (lambda: {"image": "PNG", "stop": [""]}, 400, "non-empty"),
+    "ngram-a-number": (lambda: {"image": "PNG", "ngram": 5}, 400, "ngram"),
+    "ngram-enabled-no": (lambda: {"image": "PNG", "ngram": {"enabled": "no"}}, 400, "ngram.enabled"),
+    "ngram-window-too-small": (lambda: {"image": "PNG", "ngram": {"ngram_size": 40, "window": 20}}, 400, "window 20"),
+    "1mb-prompt": (lambda: {"image": "PNG", "prompt": "<image>" + "x" * 1_000_000}, 400, "context holds 2048"),
+    "over-the-context": (lambda: {"images": [a4()] * 3, "prompt": "<image>" * 3}, 400, "context holds 2048"),
+    "json-array-body": (lambda: ("application/json", b"[1, 2]"), 400, "must be an object"),
+    "invalid-json": (lambda: ("application/json", b'{"image": '), 400, "not valid JSON"),
+    "wrong-content-type": (lambda: ("text/plain", b"hello"), 415, "content-type"),
+    "100mb-body": (lambda: ("application/json", b'{"image": "' + b"A" * (100 << 20) + b'"}'), 413, "over the limit"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_requests_answer_4xx_json_naming_the_problem(app, name):
+    make, status, words = BAD[name]
+    body = make()
+    if isinstance(body, tuple):
+        content_type, raw = body
+        response = requests.post(OCR, data=raw, headers={"content-type": content_type}, timeout=300)
+    else:
+        if body.get("image") == "PNG":
+            body = {**body, "image": tiny_png()}
+        response = requests.post(OCR, json=body, timeout=300)
+    assert response.status_code == status, (response.status_code, response.text[:500])
+    error = response.json()["error"]
+    assert words in error["message"], error
+    assert "Traceback" not in response.text and "\x1b[" not in response.text
+
+
+def test_valid_edge_prompts_are_answered(app):
+    """NUL in a prompt is a character like any other; line-wrapped base64 is base64."""
+    for body in [{"image": tiny_png(), "prompt": "<image>\x00Free\x00OCR.", "max_tokens": 2},
+                 {"image": base64.encodebytes(encoded(page((300, 200)), "PNG")).decode(), "max_tokens": 2}]:
+        response = requests.post(OCR, json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["image_tokens"] == 273
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "/v1/ocr", 405), ("POST", "/v1/nothing-here", 404), ("GET", "/", 404)])
+def test_wrong_routes_and_methods_answer_in_the_same_envelope(app, method, path, status):
+    response = requests.request(method, f"{SERVE_URL}{path}", timeout=60)
+    assert response.status_code == status
+    assert set(response.json()) == {"error"} and path in response.json()["error"]["message"]
+
+
+def test_multipart_with_form_fields(app):
+    files = {"image": ("page.png", encoded(page((1400, 700)), "PNG"), "image/png")}
+    response = requests.post(OCR, files=files, timeout=300, data={
+        "max_tokens": "2", "ngram": '{"enabled": false}', "prompt": "<image>\nFree OCR."})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["image_tokens"] == 483
+    response = requests.post(OCR, files=files, data={"max_tokens": "many"}, timeout=300)
+    assert response.status_code == 400 and "max_tokens" in response.json()["error"]["message"]
+
+
+def test_mixed_load_at_concurrency_8_is_answered_correctly(app):
+    """Rounds of 6-crop pages, 4-crop squares and untiled images, 8 in flight."""
+    kinds = [(page((1191, 1684)), 903), (page((1024, 1024)), 693), (page((600, 400)), 273)]
+    bodies = [({"image": b64(encoded(image, "PNG")), "max_tokens": 2}, tokens) for image, tokens in kinds]
+
+    def send(i):
+        body, tokens = bodies[i % len(bodies)]
+        response = requests.post(OCR, json=body, timeout=600)
+        return response.status_code, response.json()["usage"]["image_tokens"], tokens
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(send, range(48)))
+    assert all(status == 200 and got == want for status, got, want in results), results
+
+
+def test_no_replica_was_restarted(app):
+    """Runs last in this module: every replica is still the one that started."""
+    assert replica_ids() == app
+    assert requests.get(f"{SERVE_URL}/health", timeout=30).json()["status"] == "ok"
+
+
+def test_corpus_size():
+    assert len(ODD_BUT_VALID) + len(BAD) >= 40
+
+

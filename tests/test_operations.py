@@ -1,0 +1,275 @@
+"""Operating the app: readiness, health under load, admission control, time limits, dropped
+streams, API keys and metrics (tiny model, CPU, real Serve where it matters)."""
+import asyncio
+import base64
+import io
+import json
+import os
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from PIL import Image
+
+requests = pytest.importorskip("requests")
+pytest.importorskip("ray")
+
+from tests.conftest import METRICS_PORT, SERVE_APP, SERVE_URL  # noqa: E402
+
+KEY = "test-key-0123456789"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def png(size=(1191, 1684)) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", size, (240, 240, 240)).save(buf, "PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+# --- replicas, without a cluster ------------------------------------------------------------------
+def test_encoder_health_check_answers_while_a_batch_runs(monkeypatch):
+    """The batch runs on the replica's worker thread; the event loop (health checks, arrivals)
+    stays free. A batch running for minutes fails the check."""
+    from deployments.config import AppConfig
+    from deployments.encoders import PathEncoder
+    replica = PathEncoder.func_or_class("global", AppConfig())
+    started, release = threading.Event(), threading.Event()
+
+    def slow_run(*args):
+        started.set()
+        release.wait(30)
+        return []
+    monkeypatch.setattr(replica.engine, "run", slow_run)
+
+    async def scenario():
+        batch = asyncio.get_running_loop().run_in_executor(replica.worker, replica._run_batch, [])
+        await asyncio.to_thread(started.wait, 10)
+        begin = time.perf_counter()
+        replica.check_health()  # answers at once while the worker is busy
+        answered = time.perf_counter() - begin
+        replica.busy_since -= 10 * 60  # as if this batch had been running for ten minutes
+        with pytest.raises(RuntimeError, match="stuck"):
+            replica.check_health()
+        release.set()
+        await batch
+        replica.check_health()  # done: healthy again
+        return answered
+    assert asyncio.run(scenario()) < 0.5
+
+
+class NeverReady:
+    """Stands in for a tier still loading: its `ready` call never answers."""
+
+    class _Method:
+        def remote(self):
+            return asyncio.sleep(3600)
+
+    ready = _Method()
+
+
+def test_ready_answers_503_within_a_second_naming_tiers_that_are_loading():
+    from starlette.requests import Request
+
+    from deployments.config import AppConfig
+    from deployments.router import Router
+    cls = Router.func_or_class  # the ingress wrapper: its constructor is a coroutine
+    router = cls.__new__(cls)
+    request = Request({"type": "http", "method": "GET", "path": "/ready", "headers": []})
+
+    async def ask():
+        await router.__init__(NeverReady(), NeverReady(), NeverReady(), AppConfig())
+        start = time.perf_counter()
+        return await router.ready(request), time.perf_counter() - start
+    response, seconds = asyncio.run(ask())
+    assert seconds < 1.5
+    assert response.status_code == 503 and response.headers["retry-after"]
+    assert json.loads(response.body)["not_ready"] == ["GlobalEncoder", "LocalEncoder", "Decoder"]
+
+
+# --- the running app ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def limited(serve_app):
+    """A second app on the same cluster: an API key, two requests in flight per router."""
+    from ray import serve
+
+    from deployments.app import build
+    from deployments.config import AppConfig
+    serve.run(build(AppConfig(max_len=2048, max_images=8, api_key=KEY, max_inflight_requests=2)),
+              name="limited", route_prefix="/limited")
+    yield f"{SERVE_URL}/limited"
+    serve.delete("limited")
+
+
+def auth(key=KEY):
+    return {"authorization": f"Bearer {key}"}
+
+
+def test_api_key_guards_every_route_but_liveness(limited):
+    body = {"image": png((300, 200)), "max_tokens": 2}
+    for headers in ({}, auth("wrong-key-000")):
+        response = requests.post(f"{limited}/v1/ocr", json=body, headers=headers, timeout=60)
+        assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert requests.get(f"{limited}/ready", timeout=60).status_code == 401
+    assert requests.get(f"{limited}/health", timeout=60).status_code == 200
+    response = requests.post(f"{limited}/v1/ocr", json=body, headers=auth(), timeout=300)
+    assert response.status_code == 200, response.text
+
+
+def test_ready_reports_every_tier(limited):
+    response = requests.get(f"{limited}/ready", headers=auth(), timeout=60)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["status"] == "ready" and body["not_ready"] == []
+    assert set(body["tiers"]) == {"GlobalEncoder", "LocalEncoder", "Decoder"}
+    assert all(tier["ready"] for tier in body["tiers"].values())
+
+
+def test_four_times_capacity_is_answered_or_refused_never_lost(limited):
+    """8 clients against a capacity of 2, for a bounded number of rounds: every request gets
+    200 or a 503 JSON refusal with Retry-After; none hangs; the app serves afterwards."""
+    body = {"image": png(), "max_tokens": 24}
+
+    def client(_):
+        answers = []
+        for _ in range(3):
+            response = requests.post(f"{limited}/v1/ocr", json=body, headers=auth(), timeout=300)
+            if response.status_code == 503:
+                assert response.headers["retry-after"] == "1"
+                assert response.json()["error"]["type"] == "overloaded"
+            else:
+                assert response.status_code == 200, response.text
+            answers.append(response.status_code)
+        return answers
+
+    with ThreadPoolExecutor(8) as pool:
+        statuses = [s for answers in pool.map(client, range(8)) for s in answers]
+    print(f"\n4x capacity: {statuses.count(200)} answered 200, {statuses.count(503)} refused 503")
+    assert len(statuses) == 24 and set(statuses) <= {200, 503}
+    assert statuses.count(200) >= 2 and statuses.count(503) >= 1, statuses
+    response = requests.post(f"{limited}/v1/ocr", json=body, headers=auth(), timeout=300)
+    assert response.status_code == 200
+
+
+def decoder_running(app: str) -> int:
+    from ray import serve
+    return serve.get_deployment_handle("Decoder", app).stats.remote().result(timeout_s=60)["running"]
+
+
+def wait_until_idle(app: str, seconds: float = 30) -> bool:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if decoder_running(app) == 0:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_time_limit_answers_408_and_aborts_the_decode(serve_app):
+    body = {"image": png((300, 200)), "max_tokens": 2000, "timeout_s": 1.5,
+            "ngram": {"enabled": False}}
+    response = requests.post(f"{SERVE_URL}/v1/ocr", json=body, timeout=120)
+    assert response.status_code == 408, response.text
+    assert "timeout_s" in response.json()["error"]["message"]
+    assert wait_until_idle(SERVE_APP), "the decode went on after the time limit"
+
+
+def test_stream_out_of_time_sends_an_error_event_then_done(serve_app):
+    body = {"image": png((300, 200)), "max_tokens": 2000, "stream": True, "timeout_s": 3,
+            "ngram": {"enabled": False}}
+    response = requests.post(f"{SERVE_URL}/v1/ocr", json=body, timeout=120, stream=True)
+    assert response.status_code == 200
+    events = [line.removeprefix("data: ") for line in response.iter_lines(decode_unicode=True) if line]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["type"] == "timeout"
+    assert any("text" in json.loads(e) for e in events[:-2])  # it had begun
+    assert wait_until_idle(SERVE_APP)
+
+
+def test_dropped_stream_frees_its_decoder_slot(serve_app):
+    body = {"image": png((300, 200)), "max_tokens": 2000, "stream": True, "ngram": {"enabled": False}}
+    with requests.post(f"{SERVE_URL}/v1/ocr", json=body, timeout=120, stream=True) as response:
+        assert response.status_code == 200
+        events = response.iter_lines()
+        seen = [next(events) for _ in range(6)]  # a few deltas (and blank separator lines)
+        assert any(line.startswith(b"data: {") for line in seen)
+        assert decoder_running(SERVE_APP) == 1
+    assert wait_until_idle(SERVE_APP), "the dropped stream kept its slot"
+
+
+# --- metrics -------------------------------------------------------------------------------------------
+def scrape() -> str:
+    return requests.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=30).text
+
+
+def test_metrics_are_exported_and_the_dashboard_plots_them(serve_app):
+    """After real traffic (a page, a bad request), every series the Grafana dashboard queries is
+    on Ray's metrics port, with the app's own values in it."""
+    requests.post(f"{SERVE_URL}/v1/ocr", json={"image": png(), "max_tokens": 3}, timeout=300)
+    requests.post(f"{SERVE_URL}/v1/ocr", json={"image": png(), "mode": "huge"}, timeout=60)
+    with open(os.path.join(ROOT, "deployments", "grafana-dashboard.json")) as f:
+        dashboard = json.load(f)
+    queried = {re.sub(r"_(bucket|total)$", "", name)
+               for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"ray_[a-z_]+", target["expr"])}
+    assert len(queried) >= 12
+    expected = [r'^ray_ocr_requests_total\{.*status="400".*\} [1-9]',
+                r'^ray_ocr_tokens_total\{.*kind="image".*\} [1-9]',
+                r'^ray_ocr_encoder_graph_batches_total\{.*result="miss".*\} [1-9]']  # CPU: eager
+    deadline = time.time() + 90
+    while True:  # custom metrics reach the export port every few seconds
+        text = scrape()
+        missing = {name for name in queried if not re.search(rf"^{name}(_bucket|_total)?{{", text, re.M)}
+        absent = [pattern for pattern in expected if not re.search(pattern, text, re.M)]
+        if not (missing or absent) or time.time() > deadline:
+            break
+        time.sleep(3)
+    assert not missing, f"not exported: {sorted(missing)}"
+    assert not absent, f"no values yet for {absent}"
+
+
+# --- lost replicas (last: it replaces this module's replicas) --------------------------------------
+def test_killed_replicas_are_replaced_and_requests_complete(serve_app):
+    """100 tiled pages at 8 in flight; the LocalEncoder's process is killed after 20 answers,
+    the Decoder's after 60. The router retries calls that a lost replica dropped (a generation
+    only when nothing was streamed yet): at least 99% complete; any other answer is a retryable
+    503 JSON. Prints the completion rate and how long Serve took to replace each replica."""
+    import signal
+
+    from ray import serve
+    body = {"image": png((800, 600)), "max_tokens": 8}  # 3x2 crops: both encoders, then decoding
+    done, kills, lock = [], {}, threading.Lock()
+
+    def stats(name):
+        return serve.get_deployment_handle(name, SERVE_APP).stats.remote().result(timeout_s=120)
+
+    def kill(name):
+        old = stats(name)
+        os.kill(old["pid"], signal.SIGKILL)
+        killed_at = time.time()
+        while stats(name)["replica"] == old["replica"]:
+            time.sleep(0.2)
+        kills[name] = time.time() - killed_at
+
+    def client(i):
+        response = requests.post(f"{SERVE_URL}/v1/ocr", json=body, timeout=300)
+        if response.status_code != 200:
+            assert response.status_code == 503, response.text
+            assert response.json()["error"]["type"] == "overloaded" and response.headers["retry-after"]
+        with lock:
+            done.append(response.status_code)
+            count = len(done)
+        if count in (20, 60):  # from this client's thread: the other 7 keep the load on
+            kill("LocalEncoder" if count == 20 else "Decoder")
+        return response.status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(client, range(100)))
+    rate = statuses.count(200) / len(statuses)
+    print(f"\ncompleted {rate:.0%} of {len(statuses)}; replaced in "
+          + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in kills.items()))
+    assert set(kills) == {"LocalEncoder", "Decoder"}
+    assert rate >= 0.99, statuses
