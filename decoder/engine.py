@@ -19,6 +19,7 @@ each request's deltas to an asyncio queue; the decoder deployment uses it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -128,6 +129,14 @@ class GenerationEngine:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @torch.inference_mode()
+    def probe(self) -> None:
+        """A cheap run of the real model on one token, outside the cache (health checks); on a
+        GPU it waits for the device, so a broken CUDA context raises here."""
+        self.model(input_ids=torch.tensor([[self.model.args.bos_id]], device=self.model.device))
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
 
     def reset(self) -> None:
         """Drop every request (after a failed step, whose state cannot be trusted)."""
@@ -330,6 +339,13 @@ class AsyncEngine:
         """Seconds since the engine thread last finished a step while it had work (0 when idle)."""
         return time.monotonic() - self._progress if self.engine.has_work() else 0.0
 
+    def probe(self) -> concurrent.futures.Future:
+        """`GenerationEngine.probe` on the engine thread, between steps; its future."""
+        done = concurrent.futures.Future()
+        self._inbox.put(("probe", done, None, None))
+        self._wake.set()
+        return done
+
     @property
     def alive(self) -> bool:
         """False once the engine thread has died (the replica's health check reports it)."""
@@ -370,6 +386,14 @@ class AsyncEngine:
                     self._streams[request_id] = (loop, deltas)
                 except Exception as e:  # bad request: tell its caller, keep serving
                     loop.call_soon_threadsafe(deltas.put_nowait, e)
+            elif kind == "probe":
+                if not payload.set_running_or_notify_cancel():
+                    continue  # its health check gave up waiting
+                try:
+                    self.engine.probe()
+                    payload.set_result(None)
+                except Exception as e:  # noqa: BLE001 - the health check raises it
+                    payload.set_exception(e)
             else:  # abort: its consumer is gone, nobody to tell
                 self.engine.abort(payload)
                 self._streams.pop(payload, None)

@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 # A replica whose batch or decode step has run this long fails its health check and is replaced:
 # a batch of 32 pages takes under a second on a GPU, and a decode step milliseconds.
 STUCK_AFTER_S = 300
+# Health checks also run the model's real path this often (when the replica is idle): a one-view
+# graph replay in an encoder, a one-token forward in the decoder.
+PROBE_EVERY_S = 60
 
 
 class AppConfig(BaseModel):

@@ -7,6 +7,7 @@ yields deltas.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
@@ -17,7 +18,7 @@ from ray import serve
 from decoder import (AsyncEngine, GenerationEngine, GenerationRequest, SamplingParams, load_decoder,
                      load_tokenizer)
 
-from .config import STUCK_AFTER_S, AppConfig
+from .config import PROBE_EVERY_S, STUCK_AFTER_S, AppConfig
 from .metrics import decoder_metrics
 from .model_source import cap_gpu_memory, device_and_dtype, replica_id, resolve_checkpoint
 from .protocol import Wire, from_wire
@@ -37,6 +38,7 @@ class DecoderServer:
         # use_graphs None: decode-step CUDA graphs on a GPU, eager on CPU.
         self.engine = AsyncEngine(GenerationEngine(model, tokenizer, config.max_batch, config.max_len,
                                                    decode_graphs=config.use_graphs))
+        self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)
 
     def stats(self) -> dict:
         engine = self.engine.engine
@@ -45,11 +47,20 @@ class DecoderServer:
                 "decode_graphs": engine.decode_graphs is not None,
                 "running": len(engine.running), "waiting": len(engine.waiting)}
 
-    def check_health(self):
+    async def check_health(self):
+        """Fails when the engine thread died or has made no step for minutes; when idle, now and
+        then runs the model's real code on one token on the engine thread."""
         if not self.engine.alive:
             raise RuntimeError("generation engine thread died")
         if self.engine.stalled_for() > STUCK_AFTER_S:
             raise RuntimeError(f"generation engine stuck: no step for over {STUCK_AFTER_S} s")
+        if self.engine.engine.has_work() or time.monotonic() - self.probed < PROBE_EVERY_S:
+            return  # working sequences exercise the model every step
+        self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self.engine.probe()), timeout=20)
+        except asyncio.TimeoutError:  # requests arrived first: not a fault
+            return
 
     def ready(self) -> dict:
         """Answers once the constructor (weights, decode-graph capture) has finished."""

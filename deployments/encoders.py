@@ -21,7 +21,7 @@ from ray import serve
 
 from encoder import DualPathEncoder, load_encoder
 
-from .config import STUCK_AFTER_S, AppConfig
+from .config import PROBE_EVERY_S, STUCK_AFTER_S, AppConfig
 from .metrics import encoder_metrics
 from .model_source import cap_gpu_memory, device_and_dtype, replica_id, resolve_checkpoint
 from .protocol import Wire, from_wire, to_wire
@@ -49,6 +49,7 @@ class PathEncoder:
         self.request_batches: Counter = Counter()  # requests per executed batch
         self.broken: str | None = None
         self.busy_since: float | None = None  # when the batch on the worker thread started
+        self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)
 
     def _load(self, config: AppConfig) -> DualPathEncoder:
         device, dtype = device_and_dtype()
@@ -104,13 +105,29 @@ class PathEncoder:
             if after[key] > before[key]:
                 metrics["tokens"].inc(after[key] - before[key], tags={**tags, "kind": kind})
 
-    def check_health(self):
-        """Runs on the event loop while a batch runs on the worker thread: it answers at once,
-        and fails when the CUDA context faulted or one batch has been running for minutes."""
+    async def check_health(self):
+        """Runs on the event loop while a batch runs on the worker thread, so it answers at
+        once. Fails when the CUDA context faulted or one batch has run for minutes; when idle,
+        now and then runs the path's real code (`PathGraphs.probe`) on the worker thread."""
         if self.broken:
             raise RuntimeError(f"{self.path} encoder unusable after {self.broken}")
-        if self.busy_since is not None and time.monotonic() - self.busy_since > STUCK_AFTER_S:
-            raise RuntimeError(f"{self.path} encoder stuck: one batch running for over {STUCK_AFTER_S} s")
+        if self.busy_since is not None:
+            if time.monotonic() - self.busy_since > STUCK_AFTER_S:
+                raise RuntimeError(f"{self.path} encoder stuck: one batch running for over "
+                                   f"{STUCK_AFTER_S} s")
+            return  # busy: the batch itself exercises the path
+        if time.monotonic() - self.probed < PROBE_EVERY_S:
+            return
+        self.probed = time.monotonic()
+        runner = self.engine.global_path or self.engine.local_path
+        probe = asyncio.get_running_loop().run_in_executor(self.worker, runner.probe)
+        try:
+            await asyncio.wait_for(asyncio.shield(probe), timeout=20)
+        except asyncio.TimeoutError:  # a batch arrived first and holds the worker: not a fault
+            return
+        except RuntimeError as e:
+            self.broken = f"{type(e).__name__}: {e}"
+            raise
 
     def ready(self) -> dict:
         """Answers once the constructor (weights, graph capture) has finished."""

@@ -133,6 +133,19 @@ class PathGraphs:
         entry.graph.replay()
         return entry.out[:n].clone()  # clone: the next replay overwrites this buffer
 
+    @torch.inference_mode()
+    def probe(self) -> None:
+        """A cheap run of this path's real code for health checks, not counted in the stats:
+        the smallest graph replays on its own buffers (results are clones, so nothing handed
+        out changes), or the forward runs on one view. On a GPU it waits for the device, so a
+        broken CUDA context raises here."""
+        if self.graphs:
+            self.graphs[min(self.graphs)].graph.replay()
+        else:
+            self.forward(torch.zeros((1, *self.view_shape), dtype=torch.uint8, device=self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
 
 @dataclass(frozen=True, eq=False)
 class PathTokens:

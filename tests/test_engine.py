@@ -331,6 +331,24 @@ def test_decode_graphs_need_bf16_cuda(model, tokenizer):
     assert not GenerationEngine(model, tokenizer, max_batch=2, max_len=64).use_decode_graphs
 
 
+def test_async_engine_probe_runs_the_model_between_steps(model, tokenizer, monkeypatch):
+    """The decoder's health check: one token through the real model on the engine thread."""
+    engine = AsyncEngine(GenerationEngine(model, tokenizer, max_batch=2, max_len=64))
+    engine.probe().result(timeout=60)
+    calls = []
+    original = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1) or original(*a, **k))
+    engine.probe().result(timeout=60)
+    assert calls == [1]
+
+    def broken():
+        raise RuntimeError("CUDA error: device-side assert triggered")
+    monkeypatch.setattr(engine.engine, "probe", broken)
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        engine.probe().result(timeout=60)
+    assert engine.alive  # a failed probe is reported, the engine thread goes on
+
+
 def test_async_engine_start_failure_is_raised(model, tokenizer, monkeypatch):
     """A failed graph capture on the engine thread fails the constructor (the replica's
     __init__), instead of leaving a replica that looks healthy but never answers."""

@@ -52,7 +52,7 @@ def test_encoder_replica_reports_a_cuda_fault_to_its_health_check(monkeypatch):
     from deployments.config import AppConfig
     from deployments.encoders import PathEncoder
     encoder = PathEncoder.func_or_class("global", AppConfig())
-    encoder.check_health()  # healthy
+    asyncio.run(encoder.check_health())  # healthy
     view = (np.zeros((3, 1024, 1024), np.uint8), "uint8")
     assert encoder._run_batch([view, view])[0][0].shape[0] == 272  # a real batch runs
 
@@ -63,4 +63,4 @@ def test_encoder_replica_reports_a_cuda_fault_to_its_health_check(monkeypatch):
     with pytest.raises(RuntimeError, match="illegal memory access"):
         encoder._run_batch([view])  # the body of the @serve.batch handler
     with pytest.raises(RuntimeError, match="unusable after"):
-        encoder.check_health()
+        asyncio.run(encoder.check_health())

@@ -181,6 +181,16 @@ def test_graph_output_survives_a_later_replay_of_the_same_graph(cuda_engine):
 
 
 @pytest.mark.gpu
+def test_health_probe_replays_without_touching_results_or_stats(cuda_engine):
+    items = [preprocess(image(1191, 1684, 50))]
+    (before,) = cuda_engine.encode(items)
+    kept, stats = before.clone(), cuda_engine.stats()
+    cuda_engine.global_path.probe()
+    cuda_engine.local_path.probe()
+    assert torch.equal(before, kept) and cuda_engine.stats() == stats
+
+
+@pytest.mark.gpu
 def test_graphs_switch_off(cuda_engine):
     """use_graphs=False (the app's `use_graphs: false`): nothing captured, every batch eager,
     same sequences within bf16 tolerance."""

@@ -48,16 +48,40 @@ def test_encoder_health_check_answers_while_a_batch_runs(monkeypatch):
         batch = asyncio.get_running_loop().run_in_executor(replica.worker, replica._run_batch, [])
         await asyncio.to_thread(started.wait, 10)
         begin = time.perf_counter()
-        replica.check_health()  # answers at once while the worker is busy
+        await replica.check_health()  # answers at once while the worker is busy
         answered = time.perf_counter() - begin
         replica.busy_since -= 10 * 60  # as if this batch had been running for ten minutes
         with pytest.raises(RuntimeError, match="stuck"):
-            replica.check_health()
+            await replica.check_health()
         release.set()
         await batch
-        replica.check_health()  # done: healthy again
+        await replica.check_health()  # done: healthy again
         return answered
     assert asyncio.run(scenario()) < 0.5
+
+
+def test_idle_health_checks_run_the_real_path(monkeypatch):
+    """Now and then an idle replica's health check runs its path's code; a CUDA fault there
+    fails it (and every check after it)."""
+    from deployments.config import AppConfig
+    from deployments.encoders import PathEncoder
+    replica = PathEncoder.func_or_class("local", AppConfig())
+    runs = []
+    monkeypatch.setattr(replica.engine.local_path, "probe", lambda: runs.append(1))
+    asyncio.run(replica.check_health())
+    assert runs == []  # just probed by the constructor
+    replica.probed -= 3600
+    asyncio.run(replica.check_health())
+    assert runs == [1]
+
+    def fault():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(replica.engine.local_path, "probe", fault)
+    replica.probed -= 3600
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        asyncio.run(replica.check_health())
+    with pytest.raises(RuntimeError, match="unusable after"):
+        asyncio.run(replica.check_health())
 
 
 class NeverReady:
@@ -87,6 +111,34 @@ def test_ready_answers_503_within_a_second_naming_tiers_that_are_loading():
     assert seconds < 1.5
     assert response.status_code == 503 and response.headers["retry-after"]
     assert json.loads(response.body)["not_ready"] == ["GlobalEncoder", "LocalEncoder", "Decoder"]
+
+
+def test_full_downstream_queue_answers_503_json_with_retry_after():
+    """A tier's queue at its limit (`max_queued_requests`) raises BackPressureError in the
+    router; the client gets the same 503 refusal as for a full router, not an error."""
+    from ray.serve.exceptions import BackPressureError
+    from starlette.requests import Request
+
+    from deployments.config import AppConfig
+    from deployments.router import Router
+    cls = Router.func_or_class
+    router = cls.__new__(cls)
+    body = json.dumps({"image": png((64, 64))}).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+    request = Request({"type": "http", "method": "POST", "path": "/v1/ocr",
+                       "headers": [(b"content-type", b"application/json")]}, receive)
+
+    async def full_queue(images, options):
+        raise BackPressureError(num_queued_requests=512, max_queued_requests=512)
+
+    async def ask():
+        await router.__init__(NeverReady(), NeverReady(), NeverReady(), AppConfig())
+        return await router._guard(request, full_queue)
+    response = asyncio.run(ask())
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert json.loads(response.body)["error"]["type"] == "overloaded"
 
 
 # --- the running app ---------------------------------------------------------------------------------
