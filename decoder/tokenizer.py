@@ -168,6 +168,16 @@ def _gpt2_byte_chars() -> dict[int, str]:
 # -- prompts: BOS, then the text with each `<image>` tag replaced by a run of image placeholder
 # ids (one per image embedding), no role tags and no EOS.
 DEFAULT_PROMPT = "<image>\n<|grounding|>Convert the document to markdown."
+# DeepSeek's own prompts (its README and config), by the names the API offers. `locate` takes the
+# object to find as `ref`.
+PROMPT_PRESETS = {
+    "markdown": DEFAULT_PROMPT,
+    "ocr": "<image>\n<|grounding|>OCR this image.",
+    "free": "<image>\nFree OCR.",
+    "figure": "<image>\nParse the figure.",
+    "describe": "<image>\nDescribe this image in detail.",
+    "locate": "<image>\nLocate <|ref|>{ref}<|/ref|> in the image.",
+}
 
 
 def count_image_tags(prompt: str) -> int:

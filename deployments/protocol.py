@@ -10,15 +10,16 @@ handle calls alike. Its limits are the libraries' own: the view options are chec
 from __future__ import annotations
 
 import warnings
+from typing import Literal
 
 import numpy as np
 import pydantic
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from decoder import DEFAULT_PROMPT, NGramConfig, SamplingParams
+from decoder import NGramConfig, SamplingParams
 from decoder.config import DecoderArgs
-from decoder.tokenizer import count_image_tags
+from decoder.tokenizer import PROMPT_PRESETS, count_image_tags
 from encoder.preprocess import DEFAULT_MAX_CROPS, check_view_options
 
 # Generated tokens per request: at most the model's context.
@@ -29,9 +30,14 @@ MAX_STOP_STRINGS = 16
 
 
 class BadRequest(ValueError):
-    """A request the caller must fix (HTTP 400); the message names the field or the problem."""
+    """A request the caller must fix (HTTP 400); the message names the field or the problem,
+    `param` the field when there is one."""
 
     status = 400
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class PayloadTooLarge(BadRequest):
@@ -61,6 +67,9 @@ class OcrOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     prompt: str | None = None  # default: one <image> tag per image + DeepSeek's markdown prompt
+    prompt_preset: str | None = None  # one of PROMPT_PRESETS, instead of a prompt
+    ref: str | None = None  # what to find, with prompt_preset "locate"
+    output_format: Literal["text", "markdown", "blocks"] = "text"
     mode: str = "gundam"
     max_crops: int = DEFAULT_MAX_CROPS
     max_tokens: int = Field(MAX_NEW_TOKENS, ge=1, le=MAX_NEW_TOKENS)
@@ -72,10 +81,21 @@ class OcrOptions(BaseModel):
     @pydantic.model_validator(mode="after")
     def _check(self):
         check_view_options(self.mode, self.max_crops)  # ValueErrors become field errors
+        if self.prompt_preset is not None:
+            if self.prompt is not None:
+                raise ValueError("send prompt or prompt_preset, not both")
+            if self.prompt_preset not in PROMPT_PRESETS:
+                raise ValueError(f"unknown prompt_preset {self.prompt_preset!r}; presets: "
+                                 f"{', '.join(PROMPT_PRESETS)}")
+        if (self.prompt_preset == "locate") != (self.ref is not None):
+            raise ValueError("ref (what to locate) goes with prompt_preset 'locate', and only with it")
+        if self.output_format != "text" and self.stream:
+            raise ValueError("output_format applies to whole answers: a stream sends raw text")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-        for name, text in [("prompt", self.prompt or ""), *(("stop", s) for s in stops)]:
+        for name, text in [("prompt", self.prompt or ""), ("ref", self.ref or ""),
+                           *(("stop", s) for s in stops)]:
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError as e:  # a lone surrogate (JSON allows "\ud800")
@@ -89,7 +109,9 @@ class OcrOptions(BaseModel):
         try:
             return cls.model_validate(options, strict=strict)
         except pydantic.ValidationError as e:
-            raise BadRequest("; ".join(_describe(error) for error in e.errors())) from None
+            errors = e.errors()
+            param = ".".join(str(part) for part in errors[0]["loc"]) or None
+            raise BadRequest("; ".join(_describe(error) for error in errors), param) from None
 
     def sampling(self) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -102,8 +124,9 @@ class OcrOptions(BaseModel):
             raise BadRequest("no image given (send 'image' as a file upload or base64 JSON)")
         if n_images > max_images:
             raise BadRequest(f"at most {max_images} images per request, got {n_images}")
-        if self.prompt is None:
-            return "<image>" * n_images + DEFAULT_PROMPT.removeprefix("<image>")
+        if self.prompt is None:  # a preset (the markdown one by default), one tag per image
+            preset = PROMPT_PRESETS[self.prompt_preset or "markdown"].format(ref=self.ref)
+            return "<image>" * n_images + preset.removeprefix("<image>")
         if count_image_tags(self.prompt) != n_images:
             raise BadRequest(f"prompt must contain one <image> tag per image: it has "
                              f"{count_image_tags(self.prompt)}, the request has {n_images} image(s)")

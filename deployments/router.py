@@ -36,6 +36,7 @@ from ray.serve.handle import DeploymentHandle
 
 from common.checkpoint import read_config, read_tensors
 from decoder import DecoderArgs, build_prompt, load_tokenizer
+from decoder.grounding import parse_blocks, to_markdown
 from encoder import ImageError, assemble
 from encoder.preprocess import PendingImage, start_preprocess
 
@@ -67,8 +68,9 @@ async def call_with_retry(method, *args, attempts: int = 3, backoff_s: float = 0
 
 # Module helpers come before the class: `serve.ingress` pickles the FastAPI app (and so the
 # endpoints' globals) when the class is decorated, before anything below it exists.
-def _error_body(kind: str, message: str) -> dict:
-    return {"error": {"type": kind, "message": message}}
+def _error_body(kind: str, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The one error shape of every route (OpenAI's and vLLM's)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _overloaded(reason: str, message: str) -> JSONResponse:
@@ -194,23 +196,28 @@ class Router:
 
     # -- one request ----------------------------------------------------------------------------
     async def _ocr(self, image, options: OcrOptions) -> dict:
-        ids, seqs, timings = await self._encode_prompt(image, options)
+        ids, seqs, timings, sizes = await self._encode_prompt(image, options)
         start = time.perf_counter()
         result = await call_with_retry(self.decoder.generate, ids, [to_wire(s) for s in seqs],
                                        options.sampling())
         timings["decode_ms"] = (time.perf_counter() - start) * 1e3
         self._record_generation(result, seqs, timings["decode_ms"])
-        return {"text": result["text"], "finish_reason": result["finish_reason"],
-                "model": self.model_label,
-                "usage": {"prompt_tokens": result["prompt_tokens"],
-                          "image_tokens": sum(s.shape[0] for s in seqs),
-                          "completion_tokens": result["completion_tokens"]},
-                "timings": timings}
+        response = {"text": result["text"], "finish_reason": result["finish_reason"],
+                    "model": self.model_label,
+                    "usage": {"prompt_tokens": result["prompt_tokens"],
+                              "image_tokens": sum(s.shape[0] for s in seqs),
+                              "completion_tokens": result["completion_tokens"]},
+                    "timings": timings}
+        if options.output_format == "markdown":  # DeepSeek's clean-up of the grounding tags
+            response["text"] = to_markdown(result["text"])
+        elif options.output_format == "blocks":  # boxes in pixels of the (one) original image
+            response["blocks"] = parse_blocks(result["text"], *sizes[0])
+        return response
 
     async def _ocr_stream(self, image, options: OcrOptions) -> AsyncIterator[dict]:
         """Validate and encode now (errors surface before anything is streamed), then return
         the decoder's delta stream."""
-        ids, seqs, _ = await self._encode_prompt(image, options)
+        ids, seqs, _, _ = await self._encode_prompt(image, options)
         stream = self.decoder.options(stream=True).generate_stream.remote(
             ids, [to_wire(s) for s in seqs], options.sampling())
 
@@ -233,10 +240,13 @@ class Router:
 
     async def _encode_prompt(self, image, options: OcrOptions):
         """Steps 1-4: validate, preprocess, check the context, encode -> (prompt ids, sequences,
-        timings)."""
+        timings, the images' original sizes)."""
         if self.decoder is None:
             raise BadRequest("this deployment is encode-only (encode_only=true): use /v1/encode")
         images = image if isinstance(image, list) else [image]
+        if options.output_format == "blocks" and len(images) != 1:
+            raise BadRequest("output_format 'blocks' places boxes on one image: send one image",
+                             "output_format")
         prompt = options.prompt_for(len(images), self.config.max_images_per_request)
         pending = await self._preprocess(images, options)
         ids = build_prompt(self.tokenizer, prompt, [p.num_tokens for p in pending])
@@ -246,7 +256,7 @@ class Router:
                              f"tokens) but the decoder's context holds {self.max_len}: send fewer "
                              f"images, or a smaller mode or max_crops")
         seqs, timings = await self._encode(pending)
-        return ids, seqs, timings
+        return ids, seqs, timings, [p.original_size for p in pending]
 
     async def _preprocess(self, images: list, options: OcrOptions) -> list[PendingImage]:
         """Decode each image and build its global view on a worker thread (the event loop stays
@@ -397,7 +407,7 @@ class Router:
             return await asyncio.wait_for(work(images, options), timeout=limit)
         except (BadRequest, ImageError) as e:
             return JSONResponse(status_code=getattr(e, "status", 400),
-                                content=_error_body("invalid_request", str(e)))
+                                content=_error_body("invalid_request", str(e), getattr(e, "param", None)))
         except asyncio.TimeoutError:
             return JSONResponse(status_code=408, content=_error_body(
                 "timeout", f"the request took longer than its limit of {limit:g} s (timeout_s)"))

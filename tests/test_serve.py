@@ -197,3 +197,23 @@ def test_readme_handle_example_runs_from_a_second_process(handle, tmp_path):
                           text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RESULT {'prompt_tokens'" in done.stdout and "torch.Size([903, 64])" in done.stdout
+
+
+def test_prompt_presets_and_output_formats(handle):
+    from decoder.tokenizer import PROMPT_PRESETS
+    image = picture((1191, 1684), 11)
+    tokenizer = ByteTokenizer()
+    for preset, ref in [("free", None), ("locate", "the logo"), ("markdown", None)]:
+        options = {"prompt_preset": preset, "max_tokens": 2} | ({"ref": ref} if ref else {})
+        result = handle.ocr.remote(image, **options).result(timeout_s=300)
+        prompt = PROMPT_PRESETS[preset].format(ref=ref)
+        assert result["usage"]["prompt_tokens"] == len(build_prompt(tokenizer, prompt, [903]))
+    blocks = handle.ocr.remote(image, output_format="blocks", max_tokens=4).result(timeout_s=300)
+    assert isinstance(blocks["blocks"], list)
+    assert all(set(b) == {"label", "text", "boxes_norm", "boxes", "parse_error"} for b in blocks["blocks"])
+    with pytest.raises(Exception, match="prompt or prompt_preset, not both"):
+        handle.ocr.remote(image, prompt="<image>x", prompt_preset="free").result(timeout_s=60)
+    body = {"image": base64.b64encode(png(image)).decode(), "prompt_preset": "locate"}
+    response = requests.post(f"{URL}/v1/ocr", json=body, timeout=120)
+    assert response.status_code == 400
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
