@@ -56,7 +56,7 @@ class DecoderServer:
             raise RuntimeError(f"generation engine stuck: no step for over {STUCK_AFTER_S} s")
         if self.engine.engine.has_work() or time.monotonic() - self.probed < PROBE_EVERY_S:
             return  # working sequences exercise the model every step
-        self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)
+        self.probed = time.monotonic()
         try:
             await asyncio.wait_for(asyncio.wrap_future(self.engine.probe()), timeout=20)
         except asyncio.TimeoutError:  # requests arrived first: not a fault

@@ -44,8 +44,8 @@ class PathEncoder:
         cap_gpu_memory(config.gpu_memory_fraction(path))
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{path}-encoder")
         self.engine = self.worker.submit(self._load, config).result()
-        runner = self.engine.global_path or self.engine.local_path
-        self.encode_batch.set_max_batch_size(runner.budgets.max_units)
+        self.runner = self.engine.global_path or self.engine.local_path  # this path's graphs
+        self.encode_batch.set_max_batch_size(self.runner.budgets.max_units)
         self.request_batches: Counter = Counter()  # requests per executed batch
         self.broken: str | None = None
         self.busy_since: float | None = None  # when the batch on the worker thread started
@@ -119,8 +119,7 @@ class PathEncoder:
         if time.monotonic() - self.probed < PROBE_EVERY_S:
             return
         self.probed = time.monotonic()
-        runner = self.engine.global_path or self.engine.local_path
-        probe = asyncio.get_running_loop().run_in_executor(self.worker, runner.probe)
+        probe = asyncio.get_running_loop().run_in_executor(self.worker, self.runner.probe)
         try:
             await asyncio.wait_for(asyncio.shield(probe), timeout=20)
         except asyncio.TimeoutError:  # a batch arrived first and holds the worker: not a fault
@@ -131,8 +130,7 @@ class PathEncoder:
 
     def ready(self) -> dict:
         """Answers once the constructor (weights, graph capture) has finished."""
-        runner = self.engine.global_path or self.engine.local_path
-        return {"ready": True, "path": self.path, "graphs": len(runner.graphs),
+        return {"ready": True, "path": self.path, "graphs": len(self.runner.graphs),
                 "device": str(self.engine.encoder.device)}
 
     def stats(self) -> dict:

@@ -16,8 +16,8 @@ One request, top to bottom (`_ocr`):
 import asyncio
 import base64
 import binascii
-import json
 import hmac
+import json
 import logging
 import os
 import statistics
@@ -28,11 +28,11 @@ from collections.abc import AsyncIterator
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException
 
 from common.checkpoint import read_config, read_tensors
 from decoder import DecoderArgs, build_prompt, load_tokenizer
