@@ -23,6 +23,7 @@ import concurrent.futures
 import itertools
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections import deque
@@ -33,9 +34,11 @@ import torch
 
 from .model import CacheStep, Decoder, KVCache
 from .ngram import NGramConfig, NoRepeatNGram
+from .sampling import SamplerGraphs, pick_tokens
 from .tokenizer import IMAGE_TOKEN_ID, IncrementalDecoder, find_stop, holdback
 
 log = logging.getLogger(__name__)
+MAX_TEMPERATURE = 2.0  # OpenAI's range
 
 
 @dataclass(frozen=True)
@@ -44,12 +47,22 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ngram: NGramConfig = field(default_factory=NGramConfig)
     ignore_eos: bool = False  # benchmarks: generate exactly max_tokens
+    temperature: float = 0.0  # 0: greedy (the default, as DeepSeek's scripts run the model)
+    top_p: float = 1.0
+    seed: int | None = None  # None: a fresh random seed per request
+    skip_special_tokens: bool = False  # drop the tokenizer's special tokens (grounding tags) from text
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
 
 @dataclass(eq=False)  # identity: requests hold tensors, and two may be equal
@@ -84,6 +97,7 @@ class _Sequence:
     text: str = ""  # decoded so far (before any stop truncation)
     emitted: int = 0  # characters of text already sent
     pending: int | None = None  # newest token, not yet in the cache
+    seed: int = 0  # the request's seed (a random one when it gave none)
 
 
 class GenerationEngine:
@@ -102,6 +116,8 @@ class GenerationEngine:
                              f"{model.device}")
         self.use_decode_graphs = graphable if decode_graphs is None else decode_graphs
         self.decode_graphs = None
+        self.sampler_graphs = None  # pick_tokens per batch bucket, captured with the decode graphs
+        self.special_ids = frozenset(tokenizer.special_ids)
         self.waiting: deque[GenerationRequest] = deque()
         self.running: list[_Sequence] = []
         self._ids = itertools.count()
@@ -162,6 +178,8 @@ class GenerationEngine:
             assert not self.running, "decode graphs are captured before the first prefill"
             from .decode_graphs import DecodeGraphs
             self.decode_graphs = DecodeGraphs(self.model, self.cache, self.max_batch, self.max_len)
+            self.sampler_graphs = SamplerGraphs(self.decode_graphs.batches,
+                                                self.model.args.vocab_size, self.model.device)
 
     @torch.inference_mode()
     def step(self) -> list[Delta]:
@@ -217,7 +235,8 @@ class GenerationEngine:
                             min(params.max_tokens, self.max_len - lengths[row]),
                             NoRepeatNGram(params.ngram.ngram_size, params.ngram.window,
                                           params.ngram.whitelist) if params.ngram.enabled else None,
-                            IncrementalDecoder(self.tokenizer))
+                            IncrementalDecoder(self.tokenizer),
+                            seed=secrets.randbits(32) if params.seed is None else params.seed)
             self.running.append(seq)
             seqs.append(seq)
         return seqs, logits
@@ -255,7 +274,7 @@ class GenerationEngine:
         if rows:
             device = logits.device
             logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
-        picks = logits.argmax(dim=-1).tolist()  # the one host sync per step
+        picks = self._pick(seqs, logits).tolist()  # the one host sync per step
         deltas = []
         for seq, token in zip(seqs, picks):
             seq.tokens.append(token)
@@ -265,7 +284,8 @@ class GenerationEngine:
             if token == self.model.args.eos_id and not seq.request.params.ignore_eos:
                 reason = "eos"
             else:
-                seq.text += seq.detok.push([token])
+                if not (seq.request.params.skip_special_tokens and token in self.special_ids):
+                    seq.text += seq.detok.push([token])
                 if len(seq.tokens) >= seq.max_tokens:
                     reason = "length"
             stops = seq.request.params.stop
@@ -281,6 +301,21 @@ class GenerationEngine:
                 seq.pending = token
                 deltas.append(self._delta(seq, [token], None))
         return deltas
+
+    def _pick(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Greedy argmax when no sequence samples (the default path, as before sampling
+        existed); otherwise `pick_tokens` per row, replayed from a graph when there are graphs."""
+        params = [s.request.params for s in seqs]
+        if all(p.temperature == 0 for p in params):
+            return logits.argmax(dim=-1)
+        device = logits.device
+        rows = (torch.tensor([p.temperature for p in params], device=device),
+                torch.tensor([p.top_p for p in params], device=device),
+                torch.tensor([s.seed for s in seqs], device=device, dtype=torch.int64),
+                torch.tensor([len(s.tokens) for s in seqs], device=device, dtype=torch.int64))
+        if self.sampler_graphs is not None and self.sampler_graphs.fits(len(seqs)):
+            return self.sampler_graphs.run(logits, *rows)
+        return pick_tokens(logits, *rows)
 
     def _delta(self, seq: _Sequence, tokens: list[int], reason: str | None) -> Delta:
         # Hold back a tail that could still grow into a stop string.

@@ -54,6 +54,12 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids tokenizer.json marks special (what `skip_special_tokens` drops)."""
+        return frozenset(i for i, token in self._tokenizer.get_added_tokens_decoder().items()
+                         if token.special)
+
     def encode(self, text: str) -> list[int]:
         # Added tokens written in the text (e.g. "<|grounding|>") still map to their ids.
         return self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -75,6 +81,7 @@ class ByteTokenizer:
     bos_id = BOS_ID
     eos_id = EOS_ID
     BYTE_OFFSET = 3
+    special_ids = frozenset(SPECIAL_TOKENS.values())  # as its tokenizer.json marks them
 
     # Longest first, so a special token that is a prefix of another cannot shadow it.
     _SPECIAL_RE = re.compile("|".join(re.escape(s) for s in sorted(SPECIAL_TOKENS, key=len,
