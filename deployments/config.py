@@ -35,10 +35,26 @@ class AppConfig(BaseModel):
         None, ge=1024, description="decoder context in tokens; none: the checkpoint's")
     max_images_per_request: int = Field(16, ge=1, le=256, description="images in one request")
     max_request_mb: int = Field(64, ge=1, le=2048, description="largest request body (HTTP 413 above)")
+    max_pages: int = Field(5000, ge=1, le=100_000, description="pages of one PDF (HTTP 413 above)")
+    pages_in_flight: int = Field(
+        16, ge=1, le=1024, description="pages of one document rendered and working at once "
+        "(bounds the router's memory per document)")
+    encoder_cache_mb: int = Field(
+        512, ge=0, le=65_536, description="router cache of encoded images (repeated pages skip "
+        "the GPU); 0: off")
     max_inflight_requests: int = Field(
         64, ge=1, le=100_000, description="requests one Router replica works on; more get HTTP 503")
     request_timeout_s: float = Field(
         600, gt=0, le=3600, description="a request's time limit (HTTP 408), unless it sets timeout_s")
+    served_model_name: str | None = Field(
+        None, min_length=1, description="the model id of `/v1/models` and chat requests' `model`; "
+        "none: the checkpoint directory's name")
+    fetch_image_urls: bool = Field(
+        False, description="chat image parts may be http(s) URLs, fetched by the router within "
+        "max_request_mb and fetch_timeout_s")
+    fetch_timeout_s: float = Field(10, gt=0, le=300, description="time limit of one image URL fetch")
+    allowed_local_media_path: str | None = Field(
+        None, description="chat image parts may be file:// URLs under this directory (on the router's node)")
     api_key: str | None = Field(
         None, min_length=8, description="when set (or DEEPSEEK_OCR_API_KEY), every route but "
         "/health needs `Authorization: Bearer <key>`")

@@ -9,7 +9,9 @@ handle calls alike. Its limits are the libraries' own: the view options are chec
 """
 from __future__ import annotations
 
+import os
 import warnings
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -19,7 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from decoder import NGramConfig, SamplingParams
 from decoder.config import DecoderArgs
+from decoder.engine import MAX_TEMPERATURE
 from decoder.tokenizer import PROMPT_PRESETS, count_image_tags
+from documents import DEFAULT_DPI, MAX_DPI, MIN_DPI
 from encoder.preprocess import DEFAULT_MAX_CROPS, check_view_options
 
 # Generated tokens per request: at most the model's context.
@@ -34,10 +38,15 @@ class BadRequest(ValueError):
     `param` the field when there is one."""
 
     status = 400
+    kind = "invalid_request"
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
+
+
+class NotFound(BadRequest):
+    status = 404
 
 
 class PayloadTooLarge(BadRequest):
@@ -48,6 +57,12 @@ class UnsupportedMediaType(BadRequest):
     status = 415
 
 
+@dataclass(frozen=True)
+class Document:
+    """A request's PDF: its bytes, or (handle calls) a path on the router's node."""
+    data: bytes | str | os.PathLike
+
+
 class NGramOptions(BaseModel):
     """The no-repeat-n-gram rule of one request (DeepSeek's 30/90 by default)."""
 
@@ -55,11 +70,15 @@ class NGramOptions(BaseModel):
     enabled: bool = True
     ngram_size: int = NGramConfig.ngram_size
     window: int | None = None  # default: max(90, ngram_size)
+    whitelist: list[int] | None = None  # default: <td>, </td>
 
     def config(self) -> NGramConfig:
         if not self.enabled:
             return NGramConfig.off()
-        return NGramConfig(self.ngram_size, self.window or max(NGramConfig.window, self.ngram_size))
+        window = self.window or max(NGramConfig.window, self.ngram_size)
+        if self.whitelist is None:
+            return NGramConfig(self.ngram_size, window)
+        return NGramConfig(self.ngram_size, window, tuple(self.whitelist))
 
 
 class OcrOptions(BaseModel):
@@ -75,6 +94,13 @@ class OcrOptions(BaseModel):
     max_tokens: int = Field(MAX_NEW_TOKENS, ge=1, le=MAX_NEW_TOKENS)
     stop: str | list[str] = []
     ngram: NGramOptions = NGramOptions()
+    temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE)  # greedy by default
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    skip_special_tokens: bool = False  # true drops the grounding tags from the text
+    return_crops: bool = False  # with output_format "blocks": JPEG crops of the image blocks
+    page_range: str | None = None  # documents: marker's "0,5-10,20" (0-based); none: every page
+    dpi: int = Field(DEFAULT_DPI, ge=MIN_DPI, le=MAX_DPI)  # documents: page rendering
     stream: bool = False
     timeout_s: float | None = Field(None, gt=0, le=3600)  # default: the app's request_timeout_s
 
@@ -89,8 +115,8 @@ class OcrOptions(BaseModel):
                                  f"{', '.join(PROMPT_PRESETS)}")
         if (self.prompt_preset == "locate") != (self.ref is not None):
             raise ValueError("ref (what to locate) goes with prompt_preset 'locate', and only with it")
-        if self.output_format != "text" and self.stream:
-            raise ValueError("output_format applies to whole answers: a stream sends raw text")
+        if self.return_crops and self.output_format != "blocks":
+            raise ValueError("return_crops goes with output_format 'blocks'")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
@@ -115,7 +141,9 @@ class OcrOptions(BaseModel):
 
     def sampling(self) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        return SamplingParams(max_tokens=self.max_tokens, stop=stop, ngram=self.ngram.config())
+        return SamplingParams(max_tokens=self.max_tokens, stop=stop, ngram=self.ngram.config(),
+                              temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                              skip_special_tokens=self.skip_special_tokens)
 
     def prompt_for(self, n_images: int, max_images: int) -> str:
         """The prompt for `n_images` images (the default one, or the caller's with one <image>

@@ -15,7 +15,6 @@ One request, top to bottom (`_ocr`):
 """
 import asyncio
 import base64
-import binascii
 import hmac
 import json
 import logging
@@ -24,6 +23,8 @@ import statistics
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
 
 import torch
 from fastapi import FastAPI, Request
@@ -37,14 +38,19 @@ from starlette.exceptions import HTTPException
 from common.checkpoint import read_config, read_tensors
 from decoder import DecoderArgs, build_prompt, load_tokenizer
 from decoder.grounding import parse_blocks, to_markdown
+from documents import DocumentError, PdfDocument, map_pages, parse_page_range
 from encoder import ImageError, assemble
 from encoder.preprocess import PendingImage, start_preprocess
 
+from . import openai_api
+from . import pages
 from .config import AppConfig
+from .encoded_cache import EncodedCache, content_key
+from .media import crop_image_blocks, decode_data_url, read_image_url
 from .metrics import router_metrics
 from .model_source import replica_id, resolve_checkpoint
-from .protocol import (BadRequest, OcrOptions, PayloadTooLarge, UnsupportedMediaType, from_wire,
-                       to_wire)
+from .protocol import (BadRequest, Document, NotFound, OcrOptions, PayloadTooLarge,
+                       UnsupportedMediaType, from_wire, to_wire)
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="DeepSeek-OCR on Ray Serve")
@@ -100,20 +106,12 @@ async def _read(request: Request, max_bytes: int) -> tuple[list[bytes], dict, bo
         form = await request.form()
         images = [await f.read() for key in ("image", "file") for f in form.getlist(key)
                   if hasattr(f, "read")]
-        options = {k: v for k, v in form.items() if k not in ("image", "file")}
+        documents = [await f.read() for f in form.getlist("document") if hasattr(f, "read")]
+        options = {k: v for k, v in form.items() if k not in ("image", "file", "document")}
         if "ngram" in options:  # an object inside a form: JSON text
             options["ngram"] = _json_field(options["ngram"], "ngram")
-        return images, options, False
-    if not content_type.startswith("application/json"):
-        raise UnsupportedMediaType(f"content-type must be application/json or multipart/form-data, "
-                                   f"got {content_type or 'none'!r}")
-    raw = await request.body()
-    if len(raw) > max_bytes:  # a body sent without a content-length
-        raise PayloadTooLarge(f"request body is over the limit of {max_bytes} bytes (max_request_mb)")
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise BadRequest("body is not valid JSON") from None
+        return _one_source(images, documents), options, False
+    body = await _read_json(request, max_bytes, "application/json or multipart/form-data")
     if not isinstance(body, dict):
         raise BadRequest("JSON body must be an object")
     if "image" in body and "images" in body:
@@ -121,7 +119,37 @@ async def _read(request: Request, max_bytes: int) -> tuple[list[bytes], dict, bo
     images = body.pop("image", None)
     images = body.pop("images", None) if images is None else images
     images = [] if images is None else images
-    return [_decode_base64(b) for b in (images if isinstance(images, list) else [images])], body, True
+    images = [_decode_base64(b) for b in (images if isinstance(images, list) else [images])]
+    document = body.pop("document", None)
+    documents = [] if document is None else [_decode_base64(document, "document")]
+    return _one_source(images, documents), body, True
+
+
+def _one_source(images: list[bytes], documents: list[bytes]) -> list[bytes] | Document:
+    """A request's images, or its one PDF document."""
+    if documents and images:
+        raise BadRequest("send images or a document, not both", "document")
+    if len(documents) > 1:
+        raise BadRequest("send one document per request", "document")
+    return Document(documents[0]) if documents else images
+
+
+async def _read_json(request: Request, max_bytes: int, accepted: str = "application/json"):
+    """The JSON body (size-checked first)."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise PayloadTooLarge(f"request body of {int(length)} bytes is over the limit of "
+                              f"{max_bytes} (max_request_mb)")
+    content_type = request.headers.get("content-type", "")
+    if not content_type.startswith("application/json"):
+        raise UnsupportedMediaType(f"content-type must be {accepted}, got {content_type or 'none'!r}")
+    raw = await request.body()
+    if len(raw) > max_bytes:  # a body sent without a content-length
+        raise PayloadTooLarge(f"request body is over the limit of {max_bytes} bytes (max_request_mb)")
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise BadRequest("body is not valid JSON") from None
 
 
 def _json_field(value: str, name: str):
@@ -131,19 +159,47 @@ def _json_field(value: str, name: str):
         raise BadRequest(f"{name} must be a JSON object") from None
 
 
-def _decode_base64(value) -> bytes:
+def _decode_base64(value, what: str = "image") -> bytes:
     if not isinstance(value, str):
-        raise BadRequest(f"images in JSON must be base64 strings, got {type(value).__name__}")
-    if value.startswith("data:"):
-        header, _, value = value.partition(",")
-        if not header.startswith(("data:image/", "data:application/octet-stream")) \
-                or not header.endswith(";base64"):
-            raise BadRequest(f"a data: URL image must be 'data:image/...;base64,...', got "
-                             f"{header[:60]!r}")
-    try:  # line-wrapped base64 (what `base64` and `base64.encodebytes` write) is fine
-        return base64.b64decode("".join(value.split()), validate=True)
-    except (binascii.Error, ValueError):
-        raise BadRequest("image is not valid base64") from None
+        raise BadRequest(f"{what}s in JSON must be base64 strings, got {type(value).__name__}", what)
+    return decode_data_url(value, what)
+
+
+@dataclass
+class _Image:
+    """One image of a request: its cache key and either its sequence from the cache
+    (`cached`: (sequence, original size)) or its preprocessing under way (`pending`)."""
+    key: str | None
+    pending: PendingImage | None = None
+    cached: tuple[torch.Tensor, tuple[int, int]] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cached[0].shape[0] if self.cached is not None else self.pending.num_tokens
+
+    @property
+    def original_size(self) -> tuple[int, int]:
+        return self.cached[1] if self.cached is not None else self.pending.original_size
+
+
+def _memory_mb() -> dict:
+    """This process's resident memory now and at its peak (Linux), in MB."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return {}
+    return {name: int(fields[key].split()[0]) / 1024 for name, key in
+            (("rss_mb", "VmRSS"), ("peak_rss_mb", "VmHWM")) if key in fields}
+
+
+def _handle_source(image, document) -> Document:
+    if image is not None:
+        raise BadRequest("send images or a document, not both", "document")
+    if not isinstance(document, (bytes, bytearray, str, os.PathLike)):
+        raise BadRequest(f"document must be PDF bytes or a path, got {type(document).__name__}",
+                         "document")
+    return Document(bytes(document) if isinstance(document, bytearray) else document)
 
 
 @serve.deployment(max_ongoing_requests=200, ray_actor_options={"num_cpus": 0.25})
@@ -160,8 +216,11 @@ class Router:
         self.tokenizer = load_tokenizer(directory if config.checkpoint else None) if decoder else None
         self.max_len = config.max_len or DecoderArgs.from_config(read_config(directory)).max_positions
         self.recent: deque[dict] = deque(maxlen=1000)  # per-request stage timings
+        self.cache = EncodedCache(config.encoder_cache_mb << 20) if config.encoder_cache_mb else None
         self.inflight = 0  # HTTP requests being worked on (admission control)
         self.api_key = config.api_key or os.environ.get("DEEPSEEK_OCR_API_KEY") or None
+        self.model_id = config.served_model_name or self.model_label  # what chat clients call it
+        self.started = int(time.time())
 
     # -- Python handle API ------------------------------------------------------------------
     async def encode(self, image, mode: str = "gundam", max_crops: int = 6) -> list[torch.Tensor]:
@@ -172,18 +231,42 @@ class Router:
         seqs, _ = await self._encode(await self._preprocess(images, options))
         return seqs
 
-    async def ocr(self, image, prompt: str | None = None, **options) -> dict:
-        """OCR one image (or a list): {text, finish_reason, usage, model, timings}."""
-        return await self._ocr(image, OcrOptions.parse({**options, "prompt": prompt}))
+    async def ocr(self, image=None, prompt: str | None = None, *, document=None, **options) -> dict:
+        """OCR one image (or a list): {text, finish_reason, usage, model, timings}; or a PDF
+        `document` (bytes or a path): {pages, text, usage, failed_pages, model}."""
+        options = OcrOptions.parse({**options, "prompt": prompt})
+        if document is not None:
+            return await self._ocr_document(_handle_source(image, document), options)
+        return await self._ocr(image, options)
 
-    async def ocr_stream(self, image, prompt: str | None = None, **options) -> AsyncIterator[dict]:
-        """Like ocr, but yields text deltas as they are generated (handle.options(stream=True))."""
-        async for delta in await self._ocr_stream(image, OcrOptions.parse({**options, "prompt": prompt})):
-            yield delta
+    async def ocr_stream(self, image=None, prompt: str | None = None, *, document=None,
+                         **options) -> AsyncIterator[dict]:
+        """Like ocr, but yields text deltas as they are generated (handle.options(stream=True));
+        for a `document`, one page dict per finished page, in page order."""
+        options = OcrOptions.parse({**options, "prompt": prompt})
+        if document is not None:
+            stream = await self._document_pages(_handle_source(image, document), options)
+        else:
+            stream = await self._ocr_stream(image, options)
+        async with aclosing(stream):
+            async for item in stream:
+                yield item
+
+    async def chat(self, messages: list[dict], **options) -> dict:
+        """A chat completion, as `POST /v1/chat/completions` answers it (images as data: URLs)."""
+        return await self._chat(*await self._read_chat({"messages": messages, **options}))
+
+    async def chat_stream(self, messages: list[dict], **options) -> AsyncIterator[dict]:
+        """The chat completion's chunks (handle.options(stream=True)), the usage chunk last."""
+        source, ocr_options, _ = await self._read_chat({"messages": messages, **options, "stream": True})
+        deltas = await self._chat_deltas(source, ocr_options)
+        async for event in self._chat_chunks(deltas, include_usage=True):
+            yield event
 
     def stats(self) -> dict:
         return {"model": self.model_label, "replica": replica_id(), "pid": os.getpid(),
-                "requests": len(self.recent)}
+                "requests": len(self.recent), **_memory_mb(),
+                "encoder_cache": self.cache.stats() if self.cache else None}
 
     def timings(self) -> dict:
         """Median ms per stage over the last 1,000 requests: preprocess (until the crops are
@@ -195,7 +278,7 @@ class Router:
                    for k in keys}}
 
     # -- one request ----------------------------------------------------------------------------
-    async def _ocr(self, image, options: OcrOptions) -> dict:
+    async def _ocr(self, image, options: OcrOptions, page: int = 0) -> dict:
         ids, seqs, timings, sizes = await self._encode_prompt(image, options)
         start = time.perf_counter()
         result = await call_with_retry(self.decoder.generate, ids, [to_wire(s) for s in seqs],
@@ -209,14 +292,70 @@ class Router:
                               "completion_tokens": result["completion_tokens"]},
                     "timings": timings}
         if options.output_format == "markdown":  # DeepSeek's clean-up of the grounding tags
-            response["text"] = to_markdown(result["text"])
+            response["text"] = to_markdown(result["text"], page)
         elif options.output_format == "blocks":  # boxes in pixels of the (one) original image
             response["blocks"] = parse_blocks(result["text"], *sizes[0])
+            response["width"], response["height"] = sizes[0]
+            response["markdown"] = to_markdown(result["text"], page)
+            if options.return_crops:
+                image = image[0] if isinstance(image, list) else image
+                await asyncio.to_thread(crop_image_blocks, image, response["blocks"])
         return response
+
+    async def _chat(self, source: list | Document, options: OcrOptions, _=None) -> dict:
+        if isinstance(source, Document):
+            document = await self._ocr_document(source, options)
+            ocr = {**document, "finish_reason": pages.finish_reason(document["pages"])}
+        else:
+            ocr = await self._ocr(source, options)
+        return openai_api.completion(openai_api.completion_id(), self.model_id, ocr)
+
+    async def _chat_deltas(self, source: list | Document, options: OcrOptions) -> AsyncIterator[dict]:
+        """The decoder's deltas of an image request; a document's pages as deltas, one a page."""
+        if isinstance(source, Document):
+            return pages.as_deltas(await self._document_pages(source, options))
+        return await self._ocr_stream(source, options)
+
+    async def _chat_chunks(self, deltas: AsyncIterator[dict], include_usage: bool) -> AsyncIterator[dict]:
+        """The decoder's deltas as `chat.completion.chunk`s: the assistant role first, content
+        deltas, the finish reason, then (when asked) a usage chunk."""
+        request_id, created = openai_api.completion_id(), int(time.time())
+
+        def chunk(delta, finish_reason=None, usage=None):
+            return openai_api.chunk(request_id, self.model_id, created, delta, finish_reason,
+                                    usage, include_usage)
+        yield chunk({"role": "assistant", "content": ""})
+        async for delta in deltas:
+            if delta["text"]:
+                yield chunk({"content": delta["text"]})
+            if delta["finished"]:
+                reason = delta["finish_reason"]
+                yield chunk({}, openai_api.FINISH_REASONS.get(reason, reason))
+                if include_usage:
+                    yield chunk(None, usage=openai_api.usage(delta))
+
+    async def _read_chat(self, body) -> tuple[list[bytes] | Document, OcrOptions, openai_api.ChatRequest]:
+        """A chat request -> (images or its PDF, the OCR options it means, the request)."""
+        chat = openai_api.ChatRequest.parse(body)
+        if chat.model is not None and chat.model != self.model_id:
+            raise NotFound(f"the model {chat.model!r} is not served here; it serves "
+                           f"{self.model_id!r} (GET /v1/models)", "model", "model_not_found")
+        urls, document, prompt = chat.sources_and_prompt()
+        options = chat.ocr_options(prompt)
+        if document is not None:
+            return Document(_decode_base64(document, "document")), options, chat
+        limits = dict(max_bytes=self.config.max_request_mb << 20, fetch=self.config.fetch_image_urls,
+                      timeout_s=self.config.fetch_timeout_s,
+                      local_root=self.config.allowed_local_media_path)
+        images = await asyncio.gather(*(read_image_url(url, **limits) for url in urls))
+        return list(images), options, chat
 
     async def _ocr_stream(self, image, options: OcrOptions) -> AsyncIterator[dict]:
         """Validate and encode now (errors surface before anything is streamed), then return
         the decoder's delta stream."""
+        if options.output_format != "text":
+            raise BadRequest("output_format applies to whole answers: a stream of an image sends "
+                             "raw text (a document's stream sends whole pages)", "output_format")
         ids, seqs, _, _ = await self._encode_prompt(image, options)
         stream = self.decoder.options(stream=True).generate_stream.remote(
             ids, [to_wire(s) for s in seqs], options.sampling())
@@ -228,6 +367,49 @@ class Router:
                     self._record_generation(delta, seqs, (time.perf_counter() - start) * 1e3)
                 yield {**delta, "model": self.model_label}
         return deltas()
+
+    async def _ocr_document(self, document: Document, options: OcrOptions) -> dict:
+        """Every page through the image path; one response for the document."""
+        stream = await self._document_pages(document, options)
+        async with aclosing(stream):
+            entries = [entry async for entry in stream]
+        return pages.document_response(entries, self.model_label)
+
+    async def _document_pages(self, document: Document, options: OcrOptions) -> AsyncIterator[dict]:
+        """Open the PDF and check the page range now (errors answer 4xx before any page is
+        sent), then return its pages' entries in page order. Pages are rendered lazily, at most
+        `pages_in_flight` at a time, and each goes through the encoders and the decoder as its
+        own request (batched with every other request's pages); a page that fails is an entry
+        with its error, never the document's failure."""
+        self._require_decoder()
+        options.prompt_for(1, 1)  # a prompt every page can take: one <image> tag
+        pdf = await asyncio.to_thread(PdfDocument, document.data, self.config.max_pages)
+        try:
+            indices = parse_page_range(options.page_range, pdf.page_count)
+        except DocumentError:
+            pdf.close()
+            raise
+        page_options = options.model_copy(update={"stream": False, "page_range": None})
+
+        async def work(index: int, image):
+            return await self._ocr([image], page_options, page=index), image.size
+
+        async def entries():
+            try:
+                async with aclosing(map_pages(pdf, indices, options.dpi, work,
+                                              self.config.pages_in_flight)) as results:
+                    async for index, outcome in results:
+                        if isinstance(outcome, BaseException):
+                            yield pages.failed_page(index, outcome, log)
+                        else:
+                            yield pages.page_entry(index, *outcome)
+            finally:
+                await asyncio.to_thread(pdf.close)
+        return entries()
+
+    def _require_decoder(self) -> None:
+        if self.decoder is None:
+            raise BadRequest("this deployment is encode-only (encode_only=true): use /v1/encode")
 
     def _record_generation(self, result: dict, seqs, decode_ms: float) -> None:
         metrics = router_metrics()
@@ -241,9 +423,10 @@ class Router:
     async def _encode_prompt(self, image, options: OcrOptions):
         """Steps 1-4: validate, preprocess, check the context, encode -> (prompt ids, sequences,
         timings, the images' original sizes)."""
-        if self.decoder is None:
-            raise BadRequest("this deployment is encode-only (encode_only=true): use /v1/encode")
+        self._require_decoder()
         images = image if isinstance(image, list) else [image]
+        if options.page_range is not None:
+            raise BadRequest("page_range applies to documents (send a PDF as 'document')", "page_range")
         if options.output_format == "blocks" and len(images) != 1:
             raise BadRequest("output_format 'blocks' places boxes on one image: send one image",
                              "output_format")
@@ -258,14 +441,19 @@ class Router:
         seqs, timings = await self._encode(pending)
         return ids, seqs, timings, [p.original_size for p in pending]
 
-    async def _preprocess(self, images: list, options: OcrOptions) -> list[PendingImage]:
-        """Decode each image and build its global view on a worker thread (the event loop stays
-        free); the crops go on resizing on a helper thread."""
-        return await asyncio.gather(*(
-            asyncio.to_thread(start_preprocess, image, options.mode, options.max_crops)
-            for image in images))
+    async def _preprocess(self, images: list, options: OcrOptions) -> list["_Image"]:
+        """Each image's encoded sequence from the cache, or else: decode it and build its global
+        view on a worker thread (the event loop stays free) while the crops go on resizing on a
+        helper thread."""
+        def start(image) -> _Image:
+            key = content_key(image, options.mode, options.max_crops) if self.cache else None
+            cached = self.cache.get(key) if self.cache else None
+            if cached is not None:
+                return _Image(key, cached=cached)
+            return _Image(key, pending=start_preprocess(image, options.mode, options.max_crops))
+        return await asyncio.gather(*(asyncio.to_thread(start, image) for image in images))
 
-    async def _encode(self, pending: list[PendingImage]):
+    async def _encode(self, pending: list["_Image"]):
         start = time.perf_counter()
         results = await asyncio.gather(*(self._encode_one(p, start) for p in pending))
         seqs = [seq for seq, _ in results]
@@ -279,9 +467,13 @@ class Router:
             router_metrics()["stage"].observe(timings[f"{stage}_ms"], tags={"stage": stage})
         return seqs, timings
 
-    async def _encode_one(self, pending: PendingImage, start: float):
+    async def _encode_one(self, image: "_Image", start: float):
         """One image: its global view goes to GlobalEncoder at once, while its crops are still
-        being resized; then the crops go to LocalEncoder; then its sequence is assembled."""
+        being resized; then the crops go to LocalEncoder; then its sequence is assembled (and
+        cached). A cached image skips all of it."""
+        if image.cached is not None:
+            return image.cached[0], {"preprocess_ms": 0.0, "encode_ms": 0.0, "assemble_ms": 0.0}
+        pending = image.pending
         global_call = asyncio.ensure_future(
             call_with_retry(self.global_encoder.encode, to_wire(pending.global_view)))
         try:
@@ -297,38 +489,82 @@ class Router:
         encoded = time.perf_counter()
         seq = assemble(global_tokens, crop_tokens, item.grid, self.newline, self.separator)
         assert seq.shape[0] == item.num_tokens, (seq.shape, item.num_tokens)
+        if self.cache is not None:
+            self.cache.put(image.key, (seq, item.original_size), seq.numel() * seq.element_size())
         return seq, {"preprocess_ms": (ready - start) * 1e3, "encode_ms": (encoded - ready) * 1e3,
                      "assemble_ms": (time.perf_counter() - encoded) * 1e3}
 
     # -- HTTP -----------------------------------------------------------------------------------
     @api.post("/v1/ocr")
     async def http_ocr(self, request: Request):
-        async def work(images, options: OcrOptions):
+        async def work(source, options: OcrOptions):
+            if isinstance(source, Document):
+                if not options.stream:
+                    return await self._ocr_document(source, options)
+                entries = await self._document_pages(source, options)
+                return self._event_stream(entries, entries, options)
             if not options.stream:
-                return await self._ocr(images, options)
-            deltas = await self._ocr_stream(images, options)
-            limit = options.timeout_s or self.config.request_timeout_s
-
-            async def events():  # server-sent events: one JSON delta each, then [DONE]
-                try:
-                    async with asyncio.timeout(limit):
-                        async for delta in deltas:
-                            yield f"data: {json.dumps(delta)}\n\n"
-                except TimeoutError:  # the stream has begun: report it in-band
-                    error = _error_body("timeout", f"the request took longer than {limit:g} s")
-                    yield f"data: {json.dumps(error)}\n\n"
-                except Exception:  # noqa: BLE001
-                    log.exception("stream failed")
-                    yield f"data: {json.dumps(_error_body('internal_error', 'generation failed'))}\n\n"
-                finally:
-                    await deltas.aclose()  # a client that went away frees its decoder slot
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
+                return await self._ocr(source, options)
+            deltas = await self._ocr_stream(source, options)
+            return self._event_stream(deltas, deltas, options)
         return await self._guard(request, work)
+
+    @api.post("/v1/chat/completions")
+    async def http_chat(self, request: Request):
+        async def read(request):
+            body = await _read_json(request, self.config.max_request_mb << 20)
+            return await self._read_chat(body)
+
+        async def work(source, options: OcrOptions, chat: openai_api.ChatRequest):
+            if not options.stream:
+                return await self._chat(source, options)
+            deltas = await self._chat_deltas(source, options)
+            include_usage = chat.stream_options is not None and chat.stream_options.include_usage
+            return self._event_stream(self._chat_chunks(deltas, include_usage), deltas, options)
+        return await self._guard(request, work, read)
+
+    @api.get("/v1/models")
+    async def http_models(self, request: Request):
+        return self._refuse_without_key(request) or {
+            "object": "list", "data": [openai_api.model_card(self.model_id, self.started)]}
+
+    @api.get("/v1/models/{model_id:path}")
+    async def http_model(self, model_id: str, request: Request):
+        refused = self._refuse_without_key(request)
+        if refused is not None:
+            return refused
+        if model_id != self.model_id:
+            return JSONResponse(status_code=404, content=_error_body(
+                "invalid_request", f"the model {model_id!r} is not served here", "model",
+                "model_not_found"))
+        return openai_api.model_card(self.model_id, self.started)
+
+    def _event_stream(self, events: AsyncIterator[dict], deltas, options: OcrOptions) -> StreamingResponse:
+        """Server-sent events, one JSON object each, then [DONE]; a failure or the time limit
+        after the stream began is reported in-band (an error event), never a silent cut."""
+        limit = options.timeout_s or self.config.request_timeout_s
+
+        async def body():
+            try:
+                async with asyncio.timeout(limit):
+                    async for event in events:
+                        yield f"data: {json.dumps(event)}\n\n"
+            except TimeoutError:
+                error = _error_body("timeout", f"the request took longer than {limit:g} s")
+                yield f"data: {json.dumps(error)}\n\n"
+            except Exception:  # noqa: BLE001
+                log.exception("stream failed")
+                yield f"data: {json.dumps(_error_body('internal_error', 'generation failed'))}\n\n"
+            finally:
+                await deltas.aclose()  # a client that went away frees its decoder slot
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(body(), media_type="text/event-stream")
 
     @api.post("/v1/encode")
     async def http_encode(self, request: Request):
         async def work(images, options: OcrOptions):
+            if isinstance(images, Document):
+                raise BadRequest("/v1/encode takes images; send documents to /v1/ocr", "document")
             options.prompt_for(len(images), self.config.max_images_per_request)
             seqs, timings = await self._encode(await self._preprocess(images, options))
             return {"model": self.model_label, "timings": timings, "images": [
@@ -375,10 +611,10 @@ class Router:
                                                     "missing or wrong API key (Authorization: Bearer <key>)"))
         return None
 
-    async def _guard(self, request: Request, work):
+    async def _guard(self, request: Request, work, read=None):
         """`_answer`, counted in the metrics by endpoint and status."""
         start = time.perf_counter()
-        response = await self._answer(request, work)
+        response = await self._answer(request, work, read or self._read_ocr)
         status = getattr(response, "status_code", 200)
         metrics = router_metrics()
         metrics["requests"].inc(tags={"endpoint": request.url.path, "status": str(status)})
@@ -389,10 +625,14 @@ class Router:
             metrics["rejections"].inc(tags={"reason": reason})
         return response
 
-    async def _answer(self, request: Request, work):
-        """Check the key, admit (or refuse with 503 when this replica is full), read the body,
-        validate its options, run `work` within the request's time limit; every error answers
-        in one JSON shape."""
+    async def _read_ocr(self, request: Request) -> tuple[list[bytes], OcrOptions]:
+        images, options, strict = await _read(request, self.config.max_request_mb << 20)
+        return images, OcrOptions.parse(options, strict=strict)
+
+    async def _answer(self, request: Request, work, read):
+        """Check the key, admit (or refuse with 503 when this replica is full), read the body
+        and validate its options (`read`: the images and OcrOptions first), run `work` on them
+        within the request's time limit; every error answers in one JSON shape."""
         refused = self._refuse_without_key(request)
         if refused is not None:
             return refused
@@ -401,13 +641,12 @@ class Router:
                                f"{self.config.max_inflight_requests} requests in flight; retry shortly")
         self.inflight += 1
         try:
-            images, options, strict = await _read(request, self.config.max_request_mb << 20)
-            options = OcrOptions.parse(options, strict=strict)
-            limit = options.timeout_s or self.config.request_timeout_s
-            return await asyncio.wait_for(work(images, options), timeout=limit)
-        except (BadRequest, ImageError) as e:
-            return JSONResponse(status_code=getattr(e, "status", 400),
-                                content=_error_body("invalid_request", str(e), getattr(e, "param", None)))
+            inputs = await read(request)
+            limit = inputs[1].timeout_s or self.config.request_timeout_s
+            return await asyncio.wait_for(work(*inputs), timeout=limit)
+        except (BadRequest, ImageError, DocumentError) as e:
+            return JSONResponse(status_code=getattr(e, "status", 400), content=_error_body(
+                "invalid_request", str(e), getattr(e, "param", None), getattr(e, "code", None)))
         except asyncio.TimeoutError:
             return JSONResponse(status_code=408, content=_error_body(
                 "timeout", f"the request took longer than its limit of {limit:g} s (timeout_s)"))

@@ -52,7 +52,7 @@ SERVE_APP = "ocr-test"
 
 @pytest.fixture(scope="module")
 def serve_app():
-    """The app (tiny model, CPU, max_len 2048, max_images 8) on a real Ray cluster for one test
+    """The app (tiny model, CPU, max_len 2048, max_images 8, max_pages 400) on a real Ray cluster for one test
     module: a handle to its Router; HTTP on SERVE_URL."""
     ray = pytest.importorskip("ray")
     from ray import serve
@@ -62,7 +62,7 @@ def serve_app():
     ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True,
              _metrics_export_port=METRICS_PORT)
     serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
-    yield serve.run(build(AppConfig(max_len=2048, max_images=8)), name=SERVE_APP, route_prefix="/")
+    yield serve.run(build(AppConfig(max_len=2048, max_images=8, max_pages=400)), name=SERVE_APP, route_prefix="/")
     serve.shutdown()
     ray.shutdown()
 

@@ -128,7 +128,7 @@ BAD = {
     "max-crops-1": (lambda: {"image": "PNG", "max_crops": 1}, 400, "max_crops"),
     "max-crops-10": (lambda: {"image": "PNG", "max_crops": 10}, 400, "max_crops"),
     "max-crops-100": (lambda: {"image": "PNG", "max_crops": 100}, 400, "max_crops"),
-    "unknown-field": (lambda: {"image": "PNG", "temperature": 0.2}, 400, "temperature: unknown field"),
+    "unknown-field": (lambda: {"image": "PNG", "frequency_penalty": 0.2}, 400, "frequency_penalty: unknown field"),
     "field-named-self": (lambda: {"image": "PNG", "self": 1}, 400, "self: unknown field"),
     "lone-surrogate-prompt": (lambda: {"image": "PNG", "prompt": "<image>\ud800"}, 400, "lone surrogate"),
     "1000-stop-strings": (lambda: {"image": "PNG", "stop": [f"s{i}" for i in range(1000)]}, 400, "at most 16 stop"),

@@ -1,0 +1,211 @@
+"""OpenAI's chat-completions API on top of the OCR request path: what a chat request means here,
+and the shapes of what goes back. No model code: a chat request becomes the same images +
+`OcrOptions` a `/v1/ocr` request does, and the Router runs both through one pipeline.
+
+The prompt is built as vLLM builds it for DeepSeek-OCR (its `template_deepseek_ocr.jinja` and
+chat utilities): the system message's text, then the user message's parts: one `<image>`
+placeholder per image that the text does not already place, FIRST, then the text parts, all
+joined by "\\n"; no role tags. So `[image, "Free OCR."]` is exactly `<image>\\nFree OCR.`.
+
+DeepSeek's repetition rule is on by default here (30/90 with the `<td>` whitelist); a request
+that sends vLLM's `vllm_xargs` gets vLLM's meaning of them instead: `ngram_size` turns the rule on
+(absent: off), `window_size` defaults to 100 and `whitelist_token_ids` to none.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from decoder.tokenizer import IMAGE_TOKEN, count_image_tags
+
+from .protocol import BadRequest, OcrOptions, _describe
+
+VLLM_WINDOW_DEFAULT = 100  # vLLM's NoRepeatNGramLogitsProcessor default window
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ImageURL(_Strict):
+    url: str
+    detail: str | None = None  # OpenAI's resolution hint: the model's own tiling decides here
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class FileData(_Strict):
+    file_data: str | None = None  # data:application/pdf;base64,...
+    file_id: str | None = None
+    filename: str | None = None
+
+
+class FilePart(_Strict):
+    """A PDF, as OpenAI's clients send files: every page is OCR'd with the message's prompt."""
+    type: Literal["file"]
+    file: FileData
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart | ImagePart | FilePart]
+    name: str | None = None
+
+
+class VllmXargs(_Strict):
+    ngram_size: int | None = None
+    window_size: int | None = None
+    whitelist_token_ids: list[int] | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatRequest(_Strict):
+    messages: list[Message] = Field(min_length=1)
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, unused
+    # vLLM's extras, as its users send them in extra_body
+    skip_special_tokens: bool = False
+    vllm_xargs: VllmXargs | None = None
+    # this app's extensions (the /v1/ocr options of the same names)
+    mode: str | None = None
+    max_crops: int | None = None
+    prompt_preset: str | None = None
+    ref: str | None = None
+    output_format: str | None = None
+    return_crops: bool | None = None
+    timeout_s: float | None = None
+
+    @classmethod
+    def parse(cls, body) -> ChatRequest:
+        if not isinstance(body, dict):
+            raise BadRequest("JSON body must be an object")
+        try:
+            return cls.model_validate(body)
+        except pydantic.ValidationError as e:
+            error = e.errors()[0]
+            raise BadRequest(_describe(error), ".".join(str(p) for p in error["loc"]) or None) from None
+
+    def sources_and_prompt(self) -> tuple[list[str], str | None, str | None]:
+        """The image URLs in order, the PDF's data (a `file` part's base64 or data: URL), and
+        the prompt text as vLLM builds it (None with a preset); a PDF's pages each count as
+        the one image of the prompt."""
+        system = [m for m in self.messages if m.role == "system"]
+        users = [m for m in self.messages if m.role == "user"]
+        if len(users) != 1 or len(system) > 1 or len(system) + len(users) != len(self.messages):
+            raise BadRequest("send one user message (with the image), optionally after one "
+                             "system message: DeepSeek-OCR is not a multi-turn chat model", "messages")
+        if system and not isinstance(system[0].content, str):
+            if any(not isinstance(p, TextPart) for p in system[0].content):
+                raise BadRequest("images and files go in the user message, not the system "
+                                 "message", "messages")
+        content = users[0].content
+        parts = [TextPart(type="text", text=content)] if isinstance(content, str) else content
+        urls = [p.image_url.url for p in parts if isinstance(p, ImagePart)]
+        files = [p.file for p in parts if isinstance(p, FilePart)]
+        if files and (urls or len(files) > 1):
+            raise BadRequest("send one file (a PDF) or images, not both", "messages")
+        if files and files[0].file_data is None:
+            raise BadRequest("file parts must carry file_data (a base64 PDF): this server has no "
+                             "files API for file_id", "messages")
+        document = files[0].file_data if files else None
+        text = "\n".join(p.text for p in parts if isinstance(p, TextPart))
+        if self.prompt_preset is not None:  # the preset is the whole prompt
+            if text.strip() or system:
+                raise BadRequest("prompt_preset is the whole prompt: send the image without text "
+                                 "or system message, or send a prompt without prompt_preset",
+                                 "prompt_preset")
+            return urls, document, None
+        missing = max(len(urls), 1 if files else 0) - count_image_tags(text)
+        prompt = "\n".join([IMAGE_TOKEN] * missing + [text]) if missing > 0 else text
+        return urls, document, _text_of(system[0]) + prompt if system else prompt
+
+    def ocr_options(self, prompt: str | None) -> OcrOptions:
+        """The `/v1/ocr` options this request means (`prompt` None: its preset's prompt)."""
+        if self.n != 1:
+            raise BadRequest("only n = 1 is supported", "n")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise BadRequest("max_tokens and max_completion_tokens disagree: send one", "max_tokens")
+        options = {"prompt": prompt, "stop": self.stop, "stream": self.stream,
+                   "max_tokens": self.max_completion_tokens or self.max_tokens,
+                   "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+                   "skip_special_tokens": self.skip_special_tokens, "mode": self.mode,
+                   "max_crops": self.max_crops, "prompt_preset": self.prompt_preset, "ref": self.ref,
+                   "output_format": self.output_format, "return_crops": self.return_crops,
+                   "timeout_s": self.timeout_s}
+        if self.vllm_xargs is not None:
+            x = self.vllm_xargs
+            options["ngram"] = {"enabled": False} if not x.ngram_size else {
+                "ngram_size": x.ngram_size, "window": x.window_size or VLLM_WINDOW_DEFAULT,
+                "whitelist": x.whitelist_token_ids or []}
+        return OcrOptions.parse({k: v for k, v in options.items() if v is not None})
+
+
+def _text_of(message: Message) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    return "\n".join(p.text for p in message.content)
+
+
+def completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def usage(result: dict) -> dict:
+    return {"prompt_tokens": result["prompt_tokens"], "completion_tokens": result["completion_tokens"],
+            "total_tokens": result["prompt_tokens"] + result["completion_tokens"]}
+
+
+def completion(request_id: str, model: str, ocr: dict) -> dict:
+    """A `chat.completion` from a `/v1/ocr` answer (its extensions kept beside the choice)."""
+    body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": ocr["text"]},
+                         "finish_reason": FINISH_REASONS.get(ocr["finish_reason"], ocr["finish_reason"]),
+                         "logprobs": None}],
+            "usage": {**usage(ocr["usage"]), "image_tokens": ocr["usage"]["image_tokens"]}}
+    for extension in ("blocks", "pages", "failed_pages"):
+        if extension in ocr:
+            body[extension] = ocr[extension]
+    return body
+
+
+def chunk(request_id: str, model: str, created: int, delta: dict | None,
+          finish_reason: str | None = None, usage_: dict | None = None,
+          include_usage: bool = False) -> dict:
+    """One `chat.completion.chunk`; `delta` None is the usage chunk (no choices)."""
+    body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [] if delta is None else
+            [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+    if include_usage:
+        body["usage"] = usage_
+    return body
+
+
+def model_card(model_id: str, created: int) -> dict:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "deepseek-ocr-serve"}

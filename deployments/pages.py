@@ -1,0 +1,71 @@
+"""A document's answer, page by page: each page's entry, and the whole document's response.
+
+A page that fails is an entry with its `error` (never the document's failure); a page that ran
+to `max_tokens` keeps its text and says `finish_reason: "length"` (DeepSeek's PDF script drops
+such pages silently).
+"""
+from __future__ import annotations
+
+from contextlib import aclosing
+
+from ray.exceptions import RayError
+from ray.serve.exceptions import BackPressureError
+
+from documents import DocumentError
+from encoder import ImageError
+
+from .protocol import BadRequest
+
+# What DeepSeek's PDF script writes between pages.
+PAGE_SPLIT = "\n\n<--- Page Split --->\n"
+USAGE_KEYS = ("prompt_tokens", "image_tokens", "completion_tokens")
+
+
+def page_entry(index: int, result: dict, size: tuple[int, int]) -> dict:
+    entry = {"index": index, "text": result["text"], "finish_reason": result["finish_reason"],
+             "usage": result["usage"], "width": size[0], "height": size[1], "error": None}
+    for extra in ("markdown", "blocks"):
+        if extra in result:
+            entry[extra] = result[extra]
+    return entry
+
+
+def failed_page(index: int, error: BaseException, log) -> dict:
+    """The entry of a page that failed; our own bugs are logged and described without detail."""
+    if isinstance(error, (BadRequest, ImageError, DocumentError)):
+        kind, message = "invalid_request", str(error)
+    elif isinstance(error, (RayError, BackPressureError, TimeoutError)):
+        kind, message = "unavailable", f"the page could not be processed now ({type(error).__name__}); retry it"
+    else:
+        log.error("page %d failed", index, exc_info=error)
+        kind, message = "internal_error", "internal error (see the server log)"
+    return {"index": index, "text": None, "finish_reason": None, "usage": None, "width": None,
+            "height": None, "error": {"type": kind, "message": message}}
+
+
+def document_response(entries: list[dict], model: str) -> dict:
+    done = [e for e in entries if e["error"] is None]
+    return {"model": model, "pages": entries,
+            "text": PAGE_SPLIT.join(e["text"] or "" for e in entries),
+            "usage": {k: sum(e["usage"][k] for e in done) for k in USAGE_KEYS},
+            "failed_pages": [e["index"] for e in entries if e["error"] is not None]}
+
+
+def finish_reason(entries: list[dict]) -> str:
+    """A document's finish reason in one word: `length` when any page ran to max_tokens."""
+    return "length" if any(e["finish_reason"] == "length" for e in entries) else "stop"
+
+
+async def as_deltas(entries):
+    """A document's page entries as one text delta a page (pages split as in `text`), then a
+    finishing delta with the totals: what a chat stream of an image request is made of."""
+    seen = []
+    async with aclosing(entries):
+        async for entry in entries:
+            text = (PAGE_SPLIT if seen else "") + (entry["text"] or "")
+            seen.append(entry)
+            yield {"text": text, "finished": False, "finish_reason": None}
+    done = [e for e in seen if e["error"] is None]
+    yield {"text": "", "finished": True, "finish_reason": finish_reason(seen),
+           "prompt_tokens": sum(e["usage"]["prompt_tokens"] for e in done),
+           "completion_tokens": sum(e["usage"]["completion_tokens"] for e in done)}
