@@ -23,7 +23,8 @@ from common.cuda_graphs import capture_graph
 from .model import CacheStep, Decoder, KVCache
 
 log = logging.getLogger(__name__)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+# Beyond 64 the buckets step by at most 1.33x, so 128 sequences replay the 128 graph, never 256.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)
 # Attention reads a bucket's whole cache length (masked past each row's position), and at 64
 # sequences reading keys and values costs about as much as reading the weights: keep buckets
 # within 1.25-1.5x of each other.
@@ -44,6 +45,9 @@ class DecodeGraphs:
         self.batches = buckets(BATCH_BUCKETS, max_batch)
         self.contexts = buckets(CONTEXT_BUCKETS, max_len)
         self.graphs: dict[tuple[int, int], tuple] = {}
+        # Host staging for each step's tokens and positions: pinned, so the copies to the static
+        # inputs are asynchronous (the step's only host sync stays the pick of its tokens).
+        self._staged = torch.zeros(2, self.batches[-1], dtype=torch.long, pin_memory=True)
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(model.device)  # own cuBLAS workspace (see capture_graph)
@@ -69,9 +73,13 @@ class DecodeGraphs:
         batch = self.batches[bisect.bisect_left(self.batches, n)]
         context = self.contexts[bisect.bisect_left(self.contexts, max(positions) + 1)]
         graph, static_tokens, static_positions, logits = self.graphs[(batch, context)]
-        static_tokens.zero_()
-        static_positions.zero_()
-        static_tokens[:n, 0] = torch.tensor(tokens, device=static_tokens.device)
-        static_positions[:n] = torch.tensor(positions, device=static_positions.device)
+        # Rows past n feed token 0 at position 0 (free slots). The previous step's copies out of
+        # this buffer have finished: its picks were read on the host since.
+        staged = self._staged[:, :batch]
+        staged.zero_()
+        staged[0, :n] = torch.tensor(tokens)
+        staged[1, :n] = torch.tensor(positions)
+        static_tokens[:, 0].copy_(staged[0], non_blocking=True)
+        static_positions.copy_(staged[1], non_blocking=True)
         graph.replay()
         return logits[:n].clone()  # clone: the next replay overwrites this buffer

@@ -3,7 +3,9 @@
 `GenerationEngine.step()` is one iteration:
   1. admit waiting requests while slots are free: prefill them in right-padded batches of up to
      `prefill_tokens` tokens (prompt embeddings, image embeddings merged at the placeholder
-     positions) into their KV-cache slots; each row's last real logits give its first token;
+     positions) into their KV-cache slots; each row's last real logits give its first token.
+     While sequences are running, a step prefills one such batch at most, so a burst of new
+     requests interleaves with decode steps instead of stalling the running ones;
   2. one decode step for every running sequence together: each feeds its newest token, the
      model writes one KV entry per sequence and returns one row of logits per sequence;
   3. per sequence: the no-repeat-n-gram rule bans tokens, argmax picks the next one, text deltas
@@ -185,9 +187,12 @@ class GenerationEngine:
     def step(self) -> list[Delta]:
         self.prepare()
         deltas = []
+        decoding = bool(self.running)
         while self.waiting and len(self.running) < self.max_batch:
             seqs, logits = self._prefill(self._next_prefill_group())
             deltas += self._accept(seqs, logits)
+            if decoding:  # running sequences wait on this step: at most one prefill forward
+                break
         if self.running:
             active = [s for s in self.running if s.pending is not None]
             logits = self._decode(active)

@@ -325,6 +325,28 @@ def test_prefill_groups_respect_the_token_budget(model, tokenizer):
     assert groups == [2, 1, 2]
 
 
+def test_a_burst_of_requests_interleaves_with_running_decodes(model, tokenizer):
+    """With sequences running, a step prefills one group at most, then decodes; an idle engine
+    admits all it can at once."""
+    engine = GenerationEngine(model, tokenizer, max_batch=8, max_len=2048, prefill_tokens=12)
+    burst = [make_request(tokenizer, "hello", (), 20, i, ngram=OFF) for i in range(6)]  # 6 tokens each
+    for r in burst[:2]:
+        engine.add(r)
+    engine.step()
+    assert len(engine.running) == 2 and not engine.waiting  # idle: both admitted in one step
+    for r in burst[2:]:
+        engine.add(r)
+    running = []
+    while engine.waiting:
+        before = {s.request.request_id: len(s.tokens) for s in engine.running}
+        engine.step()
+        running.append(len(engine.running))
+        # the sequences that were running got their decode token in the same step
+        assert all(len(s.tokens) == before[s.request.request_id] + 1
+                   for s in engine.running if s.request.request_id in before)
+    assert running == [4, 6]  # two prompts per group (12 tokens), one group per step
+
+
 def test_decode_graphs_need_bf16_cuda(model, tokenizer):
     with pytest.raises(ValueError, match="bf16 model on CUDA"):
         GenerationEngine(model, tokenizer, max_batch=2, max_len=64, decode_graphs=True)
