@@ -85,6 +85,14 @@ class Delta:
     finish_reason: str | None = None  # "eos", "length", "stop", "aborted"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    first_token_at: float | None = None  # time.monotonic() of the first token (merged deltas)
+
+    def merge(self, later: Delta) -> None:
+        """Fold a later delta of the same request into this one."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        self.finished, self.finish_reason = later.finished, later.finish_reason
+        self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
 
 
 @dataclass(eq=False)
@@ -347,11 +355,7 @@ class GenerationEngine:
         results = {i: Delta(i, "", []) for i in ids}
         while self.has_work():
             for d in self.step():
-                r = results[d.request_id]
-                r.text += d.text
-                r.token_ids += d.token_ids
-                r.finished, r.finish_reason = d.finished, d.finish_reason
-                r.prompt_tokens, r.completion_tokens = d.prompt_tokens, d.completion_tokens
+                results[d.request_id].merge(d)
         return [results[i] for i in ids]
 
 
@@ -361,7 +365,8 @@ class AsyncEngine:
     def __init__(self, engine: GenerationEngine):
         self.engine = engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (its event loop, its queue, its merged delta when it is not streamed)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Delta | None]] = {}
         self._wake = threading.Event()
         self._prepared = threading.Event()
         self._prepare_error: BaseException | None = None
@@ -391,9 +396,12 @@ class AsyncEngine:
         """False once the engine thread has died (the replica's health check reports it)."""
         return self._thread.is_alive()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    async def generate(self, request: GenerationRequest, stream: bool = True) -> AsyncIterator[Delta]:
+        """The request's deltas as they are made; `stream=False`: one delta, the whole
+        generation, merged on the engine thread (the caller's event loop then wakes once per
+        request instead of once per token: at 256 sequences, ~17,000 wake-ups a second)."""
         loop, deltas = asyncio.get_running_loop(), asyncio.Queue()
-        self._inbox.put(("add", request, loop, deltas))
+        self._inbox.put(("add", (request, stream), loop, deltas))
         self._wake.set()
         finished = False
         try:
@@ -409,8 +417,14 @@ class AsyncEngine:
                 self._wake.set()
 
     def _publish(self, delta: Delta) -> None:
-        loop, deltas = self._streams[delta.request_id]
-        loop.call_soon_threadsafe(deltas.put_nowait, delta)
+        loop, deltas, merged = self._streams[delta.request_id]
+        if merged is not None:
+            if merged.first_token_at is None:
+                merged.first_token_at = time.monotonic()
+            merged.merge(delta)
+            delta = merged
+        if merged is None or delta.finished:
+            loop.call_soon_threadsafe(deltas.put_nowait, delta)
         if delta.finished:
             del self._streams[delta.request_id]
 
@@ -421,9 +435,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
+                request, stream = payload
                 try:
-                    request_id = self.engine.add(payload)
-                    self._streams[request_id] = (loop, deltas)
+                    request_id = self.engine.add(request)
+                    merged = None if stream else Delta(request_id, "", [])
+                    self._streams[request_id] = (loop, deltas, merged)
                 except Exception as e:  # bad request: tell its caller, keep serving
                     loop.call_soon_threadsafe(deltas.put_nowait, e)
             elif kind == "probe":
@@ -459,7 +475,7 @@ class AsyncEngine:
             except Exception as e:  # fail the requests in flight, keep the engine serving
                 log.exception("generation step failed")
                 self.engine.reset()
-                for loop, q in self._streams.values():
+                for loop, q, _ in self._streams.values():
                     loop.call_soon_threadsafe(q.put_nowait, RuntimeError(f"generation failed: {e}"))
                 self._streams.clear()
                 continue

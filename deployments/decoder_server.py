@@ -70,33 +70,49 @@ class DecoderServer:
 
     async def generate(self, prompt_ids: list[int], image_embeds: list[Wire],
                        params: SamplingParams) -> dict:
-        text, last = [], None
-        async for delta in self.generate_stream(prompt_ids, image_embeds, params):
-            text.append(delta["text"])
-            last = delta
-        return {**last, "text": "".join(text)}
+        """The whole generation in one answer (merged on the engine thread: no per-token work
+        on this replica's event loop)."""
+        request = GenerationRequest(prompt_ids, [from_wire(e) for e in image_embeds], params)
+        arrived, last = time.monotonic(), None
+        self._record_load()
+        try:
+            async for delta in self.engine.generate(request, stream=False):
+                last = delta
+        finally:
+            self._record_load()
+        self._record_latency(request, last, arrived, last.first_token_at, time.monotonic())
+        return self._as_dict(last)
 
     async def generate_stream(self, prompt_ids: list[int], image_embeds: list[Wire],
                               params: SamplingParams) -> AsyncIterator[dict]:
         request = GenerationRequest(prompt_ids, [from_wire(e) for e in image_embeds], params)
-        metrics, arrived, first = decoder_metrics(), time.monotonic(), None
+        arrived, first = time.monotonic(), None
         self._record_load()
         try:
             async for delta in self.engine.generate(request):
-                if first is None:
-                    first = time.monotonic()
-                    metrics["ttft_ms"].observe((first - arrived) * 1e3)
-                    if request.prefilled_at is not None:
-                        metrics["queue_ms"].observe((request.prefilled_at - arrived) * 1e3)
-                        metrics["prefill_ms"].observe((first - request.prefilled_at) * 1e3)
-                if delta.finished and delta.completion_tokens > 1:
-                    metrics["tpot_ms"].observe((time.monotonic() - first) * 1e3
-                                               / (delta.completion_tokens - 1))
-                yield {"text": delta.text, "finished": delta.finished,
-                       "finish_reason": delta.finish_reason, "prompt_tokens": delta.prompt_tokens,
-                       "completion_tokens": delta.completion_tokens}
+                first = first or time.monotonic()
+                if delta.finished:
+                    self._record_latency(request, delta, arrived, first, time.monotonic())
+                yield self._as_dict(delta)
         finally:
             self._record_load()
+
+    @staticmethod
+    def _as_dict(delta) -> dict:
+        return {"text": delta.text, "finished": delta.finished, "finish_reason": delta.finish_reason,
+                "prompt_tokens": delta.prompt_tokens, "completion_tokens": delta.completion_tokens}
+
+    def _record_latency(self, request, delta, arrived: float, first: float | None, done: float) -> None:
+        """Queue, prefill, time to first token and time per output token of a finished request."""
+        metrics = decoder_metrics()
+        if first is None:  # finished without a token (aborted)
+            return
+        metrics["ttft_ms"].observe((first - arrived) * 1e3)
+        if request.prefilled_at is not None:
+            metrics["queue_ms"].observe((request.prefilled_at - arrived) * 1e3)
+            metrics["prefill_ms"].observe((first - request.prefilled_at) * 1e3)
+        if delta.completion_tokens > 1:
+            metrics["tpot_ms"].observe((done - first) * 1e3 / (delta.completion_tokens - 1))
 
     def _record_load(self) -> None:
         """Running / waiting sequences and KV-cache use, read from the engine (its thread owns

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from decoder.tokenizer import IMAGE_TOKEN, count_image_tags
 
-from .protocol import BadRequest, OcrOptions, _describe
+from .protocol import BadRequest, OcrOptions, describe_error
 
 VLLM_WINDOW_DEFAULT = 100  # vLLM's NoRepeatNGramLogitsProcessor default window
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -108,7 +108,7 @@ class ChatRequest(_Strict):
             return cls.model_validate(body)
         except pydantic.ValidationError as e:
             error = e.errors()[0]
-            raise BadRequest(_describe(error), ".".join(str(p) for p in error["loc"]) or None) from None
+            raise BadRequest(describe_error(error), ".".join(str(p) for p in error["loc"]) or None) from None
 
     def sources_and_prompt(self) -> tuple[list[str], str | None, str | None]:
         """The image URLs in order, the PDF's data (a `file` part's base64 or data: URL), and

@@ -137,7 +137,7 @@ class OcrOptions(BaseModel):
         except pydantic.ValidationError as e:
             errors = e.errors()
             param = ".".join(str(part) for part in errors[0]["loc"]) or None
-            raise BadRequest("; ".join(_describe(error) for error in errors), param) from None
+            raise BadRequest("; ".join(describe_error(error) for error in errors), param) from None
 
     def sampling(self) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -161,7 +161,7 @@ class OcrOptions(BaseModel):
         return self.prompt
 
 
-def _describe(error: dict) -> str:
+def describe_error(error: dict) -> str:
     field = ".".join(str(part) for part in error["loc"])
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":

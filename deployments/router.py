@@ -254,7 +254,8 @@ class Router:
 
     async def chat(self, messages: list[dict], **options) -> dict:
         """A chat completion, as `POST /v1/chat/completions` answers it (images as data: URLs)."""
-        return await self._chat(*await self._read_chat({"messages": messages, **options}))
+        source, ocr_options, _ = await self._read_chat({"messages": messages, **options})
+        return await self._chat(source, ocr_options)
 
     async def chat_stream(self, messages: list[dict], **options) -> AsyncIterator[dict]:
         """The chat completion's chunks (handle.options(stream=True)), the usage chunk last."""
@@ -302,7 +303,7 @@ class Router:
                 await asyncio.to_thread(crop_image_blocks, image, response["blocks"])
         return response
 
-    async def _chat(self, source: list | Document, options: OcrOptions, _=None) -> dict:
+    async def _chat(self, source: list | Document, options: OcrOptions) -> dict:
         if isinstance(source, Document):
             document = await self._ocr_document(source, options)
             ocr = {**document, "finish_reason": pages.finish_reason(document["pages"])}

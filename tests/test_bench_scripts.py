@@ -1,7 +1,9 @@
 """The GPU benchmark scripts that can run on CPU in a smoke mode do, so they cannot rot unseen.
 
 `bench/scaleout_bench.py --smoke` runs every phase of the scale-out benchmark (two layouts at
-rising concurrency, the autoscaling load step) with the tiny model on a local Ray cluster."""
+rising concurrency, the autoscaling load step) with the tiny model on a local Ray cluster;
+`bench/e2e_bench.py --smoke` `serve run`s the CPU config with the bench's overrides and sends
+pages over HTTP at two concurrencies."""
 import json
 import os
 import subprocess
@@ -10,13 +12,18 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_scaleout_bench_smoke(tmp_path):
+def run_smoke(script: str, stem: str, out) -> dict:
+    """`bench/<script> --smoke` in a fresh interpreter (its own Ray cluster): the JSON it wrote."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    done = subprocess.run([sys.executable, "bench/scaleout_bench.py", "--smoke", "--out", str(tmp_path)],
+    done = subprocess.run([sys.executable, f"bench/{script}", "--smoke", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    [path] = list(tmp_path.glob("scaleout-smoke-*.json"))
-    result = json.loads(path.read_text())
+    [path] = list(out.glob(f"{stem}-smoke-*.json"))
+    return json.loads(path.read_text())
+
+
+def test_scaleout_bench_smoke(tmp_path):
+    result = run_smoke("scaleout_bench.py", "scaleout", tmp_path)
     summary = result["summary"]
     assert summary["smoke"] is True and summary["pages_per_s_1gpu"] > 0 and summary["scaling"] > 0
     for layout in ("spread", "squeezed"):
@@ -28,3 +35,13 @@ def test_scaleout_bench_smoke(tmp_path):
     polled = [p for p in step["timeline"] if p["t"] >= step["step_at_s"]]
     assert polled and all(p["LocalEncoder"].get("RUNNING", 0) >= 1 for p in polled)
     assert set(step["scale_up"]) == {"LocalEncoder", "Decoder"}
+
+
+def test_e2e_bench_smoke(tmp_path):
+    result = run_smoke("e2e_bench.py", "e2e", tmp_path)
+    summary = result["summary"]
+    assert summary["cold_start_s"] > 0 and summary["pages_per_s_best"] > 0
+    assert set(result["concurrency"]) == {"1", "4"}
+    assert all(row["generated_tokens"] == row["pages"] * 8 and row["p99_s"] >= row["p50_s"] > 0
+               for row in result["concurrency"].values())
+    assert result["tiers"]["Decoder"]["max_batch"] == 256  # the bench's overrides reached the app

@@ -169,6 +169,17 @@ def test_async_engine_streams_and_matches_offline(model, tokenizer):
         assert (text, tokens, reason) == (expected.text, expected.token_ids, expected.finish_reason)
         assert chunks == len(tokens)  # one delta per generated token
 
+    async def whole(request):  # not streamed: one delta, merged on the engine thread
+        return [d async for d in engine.generate(request, stream=False)]
+
+    async def main_whole():
+        return await asyncio.gather(*(whole(r) for r in requests(tokenizer)))
+    for deltas, expected in zip(asyncio.run(main_whole()), offline):
+        [delta] = deltas
+        assert (delta.text, delta.token_ids, delta.finish_reason, delta.completion_tokens) == \
+            (expected.text, expected.token_ids, expected.finish_reason, expected.completion_tokens)
+        assert delta.finished and delta.first_token_at is not None
+
 
 def test_async_engine_bad_request_and_early_exit(model, tokenizer):
     engine = AsyncEngine(GenerationEngine(model, tokenizer, max_batch=2, max_len=256))
