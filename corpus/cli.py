@@ -83,7 +83,7 @@ def run_command(args: argparse.Namespace) -> int:
     client = Client(args.server, args.api_key, args.timeout, args.retries, stop=stop)
     client.check_health()
     options = RunOptions(args.page_range, args.dpi, args.preset, args.max_tokens,
-                         args.format, args.force)
+                         args.format, args.force, timeout_s=args.timeout)
     manifest = Manifest(args.out)
     try:
         progress = run_corpus(inputs, client, manifest, options, args.out, args.concurrency)

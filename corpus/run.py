@@ -28,6 +28,7 @@ from .manifest import Manifest, StateStore, document_key
 from .outputs import FORMATS, error_text, missing_outputs, take_crops, write_document
 from .progress import Outcome, Progress
 
+SERVER_MAX_TIMEOUT_S = 3600  # the app's largest timeout_s
 _PAGE_RANGE = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 _PDF_PAGE = re.compile(rb"/Type\s*/Page(?![A-Za-z])")  # a page object, not the /Pages tree
 
@@ -40,6 +41,9 @@ class RunOptions:
     max_tokens: int | None = None
     formats: frozenset[str] = frozenset(FORMATS)
     force: bool = False
+    # How long the server may work on one document (its own default, 600 s, would cut a long PDF
+    # short with a 408 while this client still waits); the server's limit is 3,600.
+    timeout_s: float | None = None
 
     def keyed(self) -> dict:
         """The options that change the server's answer (the manifest key hashes them)."""
@@ -153,6 +157,8 @@ def request_body(job: Job, data: bytes, options: RunOptions) -> dict:
     body["return_crops"] = True
     if options.max_tokens is not None:
         body["max_tokens"] = options.max_tokens
+    if options.timeout_s is not None:
+        body["timeout_s"] = min(options.timeout_s, SERVER_MAX_TIMEOUT_S)
     return body
 
 

@@ -295,9 +295,10 @@ def test_the_request_carries_the_options_and_the_contract_fields(app, tmp_path):
     assert base64.b64decode(document["document"]) == pdf
     assert {k: v for k, v in document.items() if k != "document"} == {
         "page_range": "0,2", "dpi": 200, "prompt_preset": "ocr", "output_format": "blocks",
-        "return_crops": True, "max_tokens": 64}
+        "return_crops": True, "max_tokens": 64, "timeout_s": 1800}
     assert {k: v for k, v in image.items() if k != "image"} == {
-        "prompt_preset": "ocr", "output_format": "blocks", "return_crops": True, "max_tokens": 64}
+        "prompt_preset": "ocr", "output_format": "blocks", "return_crops": True, "max_tokens": 64,
+        "timeout_s": 1800}
     assert {r["authorization"] for r in app.requests} == {"Bearer k"}
     assert [p["index"] for p in json.loads(read_text(tmp_path / "out" / "p.json"))["pages"]] == [0, 2]
 
