@@ -1,4 +1,4 @@
-"""Greedy generation with continuous batching: requests join and leave at step boundaries.
+"""Generation with continuous batching: requests join and leave at step boundaries.
 
 `GenerationEngine.step()` is one iteration:
   1. admit waiting requests while slots are free: prefill them in right-padded batches of up to
@@ -8,12 +8,14 @@
      requests interleaves with decode steps instead of stalling the running ones;
   2. one decode step for every running sequence together: each feeds its newest token, the
      model writes one KV entry per sequence and returns one row of logits per sequence;
-  3. per sequence: the no-repeat-n-gram rule bans tokens, argmax picks the next one, text deltas
+  3. per sequence: the no-repeat-n-gram rule bans tokens, argmax (or, for a request with a
+     temperature, seeded sampling: decoder/sampling.py) picks the next one, text deltas
      are decoded incrementally, and EOS / max_tokens / stop strings / the context limit finish it;
      a finished sequence leaves and the last running one moves into its slot (slots stay
      compact, so the decode step reads one contiguous view of the cache).
-Greedy decoding of each sequence does not depend on its neighbours: rows never attend to each
-other and padded cache positions are masked, so batching reproduces generating alone.
+Decoding of each sequence does not depend on its neighbours: rows never attend to each other,
+padded cache positions are masked, and a sampled token's randomness is a function of its own
+request's seed and step, so batching reproduces generating alone.
 
 `AsyncEngine` runs `step()` on one background thread (all GPU work on that thread) and streams
 each request's deltas to an asyncio queue; the decoder deployment uses it.
