@@ -19,7 +19,6 @@ import argparse
 import base64
 import datetime
 import io
-import json
 import os
 import random
 import signal

@@ -4,7 +4,6 @@ cache, and the corpus command against the real app."""
 import base64
 import io
 import json
-import os
 import signal
 import subprocess
 import sys
