@@ -25,9 +25,11 @@ _DATA_URL_TYPES = {"image": ("data:image/", "data:application/octet-stream"),
                    "document": ("data:application/pdf", "data:application/octet-stream")}
 
 
-def decode_data_url(value: str, what: str = "image") -> bytes:
+def decode_data_url(value, what: str = "image") -> bytes:
     """base64 (optionally as a `data:image/...;base64,` URL, `data:application/pdf;base64,` for
     a document) -> bytes."""
+    if not isinstance(value, str):
+        raise BadRequest(f"{what}s in JSON must be base64 strings, got {type(value).__name__}", what)
     if value.startswith("data:"):
         header, _, value = value.partition(",")
         if not header.startswith(_DATA_URL_TYPES[what]) or not header.endswith(";base64"):

@@ -17,12 +17,11 @@ import time
 import uuid
 from typing import Literal
 
-import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from decoder.tokenizer import IMAGE_TOKEN, count_image_tags
 
-from .protocol import BadRequest, OcrOptions, describe_error
+from .protocol import BadRequest, OcrOptions, validate
 
 VLLM_WINDOW_DEFAULT = 100  # vLLM's NoRepeatNGramLogitsProcessor default window
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -102,13 +101,7 @@ class ChatRequest(_Strict):
 
     @classmethod
     def parse(cls, body) -> ChatRequest:
-        if not isinstance(body, dict):
-            raise BadRequest("JSON body must be an object")
-        try:
-            return cls.model_validate(body)
-        except pydantic.ValidationError as e:
-            error = e.errors()[0]
-            raise BadRequest(describe_error(error), ".".join(str(p) for p in error["loc"]) or None) from None
+        return validate(cls, body, strict=False)  # lax as OpenAI's own: a JSON 0 is a float 0.0
 
     def sources_and_prompt(self) -> tuple[list[str], str | None, str | None]:
         """The image URLs in order, the PDF's data (a `file` part's base64 or data: URL), and

@@ -43,11 +43,15 @@ def failed_page(index: int, error: BaseException, log) -> dict:
             "height": None, "error": {"type": kind, "message": message}}
 
 
+def total_usage(entries: list[dict]) -> dict:
+    """Token counts summed over the pages that did not fail."""
+    return {k: sum(e["usage"][k] for e in entries if e["error"] is None) for k in USAGE_KEYS}
+
+
 def document_response(entries: list[dict], model: str) -> dict:
-    done = [e for e in entries if e["error"] is None]
     return {"model": model, "pages": entries,
             "text": PAGE_SPLIT.join(e["text"] or "" for e in entries),
-            "usage": {k: sum(e["usage"][k] for e in done) for k in USAGE_KEYS},
+            "usage": total_usage(entries),
             "failed_pages": [e["index"] for e in entries if e["error"] is not None]}
 
 
@@ -65,7 +69,4 @@ async def as_deltas(entries):
             text = (PAGE_SPLIT if seen else "") + (entry["text"] or "")
             seen.append(entry)
             yield {"text": text, "finished": False, "finish_reason": None}
-    done = [e for e in seen if e["error"] is None]
-    yield {"text": "", "finished": True, "finish_reason": finish_reason(seen),
-           "prompt_tokens": sum(e["usage"]["prompt_tokens"] for e in done),
-           "completion_tokens": sum(e["usage"]["completion_tokens"] for e in done)}
+    yield {"text": "", "finished": True, "finish_reason": finish_reason(seen), **total_usage(seen)}

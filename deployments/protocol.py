@@ -38,7 +38,6 @@ class BadRequest(ValueError):
     `param` the field when there is one."""
 
     status = 400
-    kind = "invalid_request"
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -132,12 +131,7 @@ class OcrOptions(BaseModel):
     @classmethod
     def parse(cls, options: dict, *, strict: bool = True) -> OcrOptions:
         """`options` as sent; `strict=False` for multipart forms, whose values are all strings."""
-        try:
-            return cls.model_validate(options, strict=strict)
-        except pydantic.ValidationError as e:
-            errors = e.errors()
-            param = ".".join(str(part) for part in errors[0]["loc"]) or None
-            raise BadRequest("; ".join(describe_error(error) for error in errors), param) from None
+        return validate(cls, options, strict=strict)
 
     def sampling(self) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -159,6 +153,18 @@ class OcrOptions(BaseModel):
             raise BadRequest(f"prompt must contain one <image> tag per image: it has "
                              f"{count_image_tags(self.prompt)}, the request has {n_images} image(s)")
         return self.prompt
+
+
+def validate(model: type[BaseModel], data, strict: bool = True):
+    """`model` validated from `data`; BadRequest naming every error, `param` the first field."""
+    if not isinstance(data, dict):
+        raise BadRequest("JSON body must be an object")
+    try:
+        return model.model_validate(data, strict=strict)
+    except pydantic.ValidationError as e:
+        errors = e.errors()
+        param = ".".join(str(part) for part in errors[0]["loc"]) or None
+        raise BadRequest("; ".join(describe_error(error) for error in errors), param) from None
 
 
 def describe_error(error: dict) -> str:

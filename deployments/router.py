@@ -79,6 +79,12 @@ def _error_body(kind: str, message: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def _bad_request(e: Exception) -> JSONResponse:
+    """A BadRequest (or ImageError, DocumentError) in the envelope, with its status and field."""
+    return JSONResponse(status_code=getattr(e, "status", 400), content=_error_body(
+        "invalid_request", str(e), getattr(e, "param", None), getattr(e, "code", None)))
+
+
 def _overloaded(reason: str, message: str) -> JSONResponse:
     response = JSONResponse(status_code=503, headers={"Retry-After": "1"},
                             content=_error_body("overloaded", message))
@@ -95,12 +101,16 @@ async def _http_error(request: Request, exc: HTTPException):
                         content=_error_body("invalid_request", message))
 
 
-async def _read(request: Request, max_bytes: int) -> tuple[list[bytes], dict, bool]:
-    """(images, options as sent, whether the options are typed JSON values)."""
+def _check_length(request: Request, max_bytes: int) -> None:
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > max_bytes:
         raise PayloadTooLarge(f"request body of {int(length)} bytes is over the limit of "
                               f"{max_bytes} (max_request_mb)")
+
+
+async def _read(request: Request, max_bytes: int) -> tuple[list[bytes], dict, bool]:
+    """(images, options as sent, whether the options are typed JSON values)."""
+    _check_length(request, max_bytes)
     content_type = request.headers.get("content-type", "")
     if content_type.startswith("multipart/form-data"):
         form = await request.form()
@@ -119,9 +129,9 @@ async def _read(request: Request, max_bytes: int) -> tuple[list[bytes], dict, bo
     images = body.pop("image", None)
     images = body.pop("images", None) if images is None else images
     images = [] if images is None else images
-    images = [_decode_base64(b) for b in (images if isinstance(images, list) else [images])]
+    images = [decode_data_url(b) for b in (images if isinstance(images, list) else [images])]
     document = body.pop("document", None)
-    documents = [] if document is None else [_decode_base64(document, "document")]
+    documents = [] if document is None else [decode_data_url(document, "document")]
     return _one_source(images, documents), body, True
 
 
@@ -136,10 +146,7 @@ def _one_source(images: list[bytes], documents: list[bytes]) -> list[bytes] | Do
 
 async def _read_json(request: Request, max_bytes: int, accepted: str = "application/json"):
     """The JSON body (size-checked first)."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > max_bytes:
-        raise PayloadTooLarge(f"request body of {int(length)} bytes is over the limit of "
-                              f"{max_bytes} (max_request_mb)")
+    _check_length(request, max_bytes)
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("application/json"):
         raise UnsupportedMediaType(f"content-type must be {accepted}, got {content_type or 'none'!r}")
@@ -157,12 +164,6 @@ def _json_field(value: str, name: str):
         return json.loads(value)
     except ValueError:
         raise BadRequest(f"{name} must be a JSON object") from None
-
-
-def _decode_base64(value, what: str = "image") -> bytes:
-    if not isinstance(value, str):
-        raise BadRequest(f"{what}s in JSON must be base64 strings, got {type(value).__name__}", what)
-    return decode_data_url(value, what)
 
 
 @dataclass
@@ -261,8 +262,9 @@ class Router:
         """The chat completion's chunks (handle.options(stream=True)), the usage chunk last."""
         source, ocr_options, _ = await self._read_chat({"messages": messages, **options, "stream": True})
         deltas = await self._chat_deltas(source, ocr_options)
-        async for event in self._chat_chunks(deltas, include_usage=True):
-            yield event
+        async with aclosing(deltas):
+            async for event in self._chat_chunks(deltas, include_usage=True):
+                yield event
 
     def stats(self) -> dict:
         return {"model": self.model_label, "replica": replica_id(), "pid": os.getpid(),
@@ -338,13 +340,12 @@ class Router:
     async def _read_chat(self, body) -> tuple[list[bytes] | Document, OcrOptions, openai_api.ChatRequest]:
         """A chat request -> (images or its PDF, the OCR options it means, the request)."""
         chat = openai_api.ChatRequest.parse(body)
-        if chat.model is not None and chat.model != self.model_id:
-            raise NotFound(f"the model {chat.model!r} is not served here; it serves "
-                           f"{self.model_id!r} (GET /v1/models)", "model", "model_not_found")
+        if chat.model is not None:
+            self._check_model(chat.model)
         urls, document, prompt = chat.sources_and_prompt()
         options = chat.ocr_options(prompt)
         if document is not None:
-            return Document(_decode_base64(document, "document")), options, chat
+            return Document(decode_data_url(document, "document")), options, chat
         limits = dict(max_bytes=self.config.max_request_mb << 20, fetch=self.config.fetch_image_urls,
                       timeout_s=self.config.fetch_timeout_s,
                       local_root=self.config.allowed_local_media_path)
@@ -534,11 +535,16 @@ class Router:
         refused = self._refuse_without_key(request)
         if refused is not None:
             return refused
-        if model_id != self.model_id:
-            return JSONResponse(status_code=404, content=_error_body(
-                "invalid_request", f"the model {model_id!r} is not served here", "model",
-                "model_not_found"))
+        try:
+            self._check_model(model_id)
+        except NotFound as e:
+            return _bad_request(e)
         return openai_api.model_card(self.model_id, self.started)
+
+    def _check_model(self, model_id: str) -> None:
+        if model_id != self.model_id:
+            raise NotFound(f"the model {model_id!r} is not served here; it serves "
+                           f"{self.model_id!r} (GET /v1/models)", "model", "model_not_found")
 
     def _event_stream(self, events: AsyncIterator[dict], deltas, options: OcrOptions) -> StreamingResponse:
         """Server-sent events, one JSON object each, then [DONE]; a failure or the time limit
@@ -646,8 +652,7 @@ class Router:
             limit = inputs[1].timeout_s or self.config.request_timeout_s
             return await asyncio.wait_for(work(*inputs), timeout=limit)
         except (BadRequest, ImageError, DocumentError) as e:
-            return JSONResponse(status_code=getattr(e, "status", 400), content=_error_body(
-                "invalid_request", str(e), getattr(e, "param", None), getattr(e, "code", None)))
+            return _bad_request(e)
         except asyncio.TimeoutError:
             return JSONResponse(status_code=408, content=_error_body(
                 "timeout", f"the request took longer than its limit of {limit:g} s (timeout_s)"))
