@@ -1,16 +1,21 @@
 """Decoder throughput on one GPU: continuous batching at 1 to 256 concurrent sequences.
 
-    python bench/decoder_bench.py [--out bench/results]
+    python bench/decoder_bench.py [--out bench/results] [--variants eager decode_graphs ...]
+                                  [--code DIR] [--name decoder]
 
 Real DeepSeek-3B-MoE dims, random weights, bf16. Each request: a 1,000-token prompt of which 903
 are image placeholders (a 2x3 page; embeddings random) and exactly 512 generated tokens
 (`ignore_eos`), greedy with the default no-repeat-n-gram rule. Reports generated tokens/s per
 concurrency (all requests submitted together; prefills included), the median decode step,
 the prefill time of one prompt and peak memory, for the eager engine and with decode-step CUDA
-graphs, side by side. Writes decoder-<date>.json with a top-level `summary`.
+graphs, side by side. Writes <name>-<date>.json with a top-level `summary` (the decode-graph
+variant's). Variants: `eager`, `decode_graphs` (the default engine: paged-attention kernel) and
+`decode_graphs_gather` (its reference attention). `--code DIR` imports the decoder package from
+DIR instead (an older checkout, for an A/B in one run on one machine).
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import statistics
@@ -20,19 +25,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import options, time_ms, write_result  # noqa: E402
-from decoder.checkpoint import random_decoder  # noqa: E402
-from decoder.config import DecoderArgs  # noqa: E402
-from decoder.engine import GenerationEngine, GenerationRequest, SamplingParams  # noqa: E402
-from decoder.model import CacheStep  # noqa: E402
-from decoder.tokenizer import IMAGE_TOKEN_ID, ByteTokenizer  # noqa: E402
+from bench.common import RESULTS, time_ms, write_result  # noqa: E402
 
 PROMPT, IMAGE, GENERATED = 1000, 903, 512
 CONCURRENCY = (1, 16, 64, 128, 256)
 TARGETS = {"64": 12_000, "256": 25_000}  # tokens/s (issue 14)
 
 
-def request(args: DecoderArgs, seed: int) -> GenerationRequest:
+def request(args, seed: int):
     gen = torch.Generator().manual_seed(seed)
     text = torch.randint(3, 259, (PROMPT - IMAGE - 1,), generator=gen).tolist()
     ids = [0] + [IMAGE_TOKEN_ID] * IMAGE + text
@@ -40,7 +40,7 @@ def request(args: DecoderArgs, seed: int) -> GenerationRequest:
                              SamplingParams(max_tokens=GENERATED, ignore_eos=True))
 
 
-def run(engine: GenerationEngine, args: DecoderArgs, n: int) -> dict:
+def run(engine, args, n: int) -> dict:
     """n requests submitted together, stepped to completion; decode-only steps timed apart."""
     ids = [engine.add(request(args, i)) for i in range(n)]
     generated = {i: 0 for i in ids}
@@ -66,7 +66,24 @@ def run(engine: GenerationEngine, args: DecoderArgs, n: int) -> dict:
 
 
 def main(argv=None):
-    opts = options(argv)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--name", default="decoder")
+    parser.add_argument("--variants", nargs="+", default=["eager", "decode_graphs"],
+                        choices=["eager", "decode_graphs", "decode_graphs_gather"])
+    parser.add_argument("--code", help="import the decoder package from this directory")
+    opts = parser.parse_args(argv)
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    if opts.code:
+        sys.path.insert(0, os.path.abspath(opts.code))
+    global random_decoder, DecoderArgs, GenerationEngine, GenerationRequest, SamplingParams
+    global CacheStep, IMAGE_TOKEN_ID, ByteTokenizer
+    from decoder.checkpoint import random_decoder
+    from decoder.config import DecoderArgs
+    from decoder.engine import GenerationEngine, GenerationRequest, SamplingParams
+    from decoder.model import CacheStep
+    from decoder.tokenizer import IMAGE_TOKEN_ID, ByteTokenizer
+    print("decoder package:", os.path.dirname(sys.modules["decoder"].__file__), flush=True)
     args = DecoderArgs()
     model = random_decoder(args, device="cuda", dtype=torch.bfloat16)
     weights_gb = torch.cuda.memory_allocated() / 2 ** 30
@@ -75,10 +92,9 @@ def main(argv=None):
 
     embeds = torch.randn(1, PROMPT, args.hidden, device="cuda", dtype=torch.bfloat16)
     variants = {}
-    for name, graphs in (("eager", False), ("decode_graphs", True)):
+    for i, name in enumerate(opts.variants):
         try:
-            variants[name] = measure(model, tokenizer, args, embeds, max_len, graphs,
-                                     prefill=name == "eager")
+            variants[name] = measure(model, tokenizer, args, embeds, max_len, name, prefill=i == 0)
         except Exception as e:  # noqa: BLE001 - a failed variant is recorded, the rest stand
             variants[name] = {"error": f"{type(e).__name__}: {e}"}
             print(name, "failed:", variants[name]["error"], flush=True)
@@ -86,9 +102,12 @@ def main(argv=None):
         write(opts, variants, weights_gb)  # after each variant: a cut-off run keeps what it has
 
 
-def measure(model, tokenizer, args, embeds, max_len, graphs, prefill) -> dict:
+def measure(model, tokenizer, args, embeds, max_len, variant, prefill) -> dict:
+    graphs = variant != "eager"
     engine = GenerationEngine(model, tokenizer, max_batch=max(CONCURRENCY), max_len=max_len,
                               decode_graphs=graphs)
+    if variant == "decode_graphs_gather":
+        engine.cache.kernel = "gather"  # before the first step captures the graphs
     start = time.perf_counter()
     warm = GenerationRequest([0, 5, 6], params=SamplingParams(max_tokens=4, ignore_eos=True))
     engine.generate([warm])  # warm-up; with graphs, the first step captures them all
@@ -102,7 +121,7 @@ def measure(model, tokenizer, args, embeds, max_len, graphs, prefill) -> dict:
                 inputs_embeds=batch, step=CacheStep(engine.cache, slot=0), last_only=True), 5) / 16
     for n in CONCURRENCY:
         rows[str(n)] = run(engine, args, n)
-        print(f"{'graphs' if graphs else 'eager'} c{n}: "
+        print(f"{variant} c{n}: "
               f"{rows[str(n)]['tokens_per_s']:.0f} tokens/s, decode step "
               f"{rows[str(n)]['decode_step_ms_p50']:.2f} ms", flush=True)
     return rows
@@ -112,17 +131,20 @@ def write(opts, variants: dict, weights_gb: float) -> None:
     # The summary reports the engine's default (decode graphs on CUDA bf16), the rest beside it.
     if "1" not in variants.get("decode_graphs", {}):
         return
-    best, eager = variants["decode_graphs"], variants["eager"]
+    best = variants["decode_graphs"]
+    first = next(v for v in variants.values() if "prefill_ms" in v)
     summary = {**{f"tokens_per_s_c{n}": best[str(n)]["tokens_per_s"] for n in CONCURRENCY},
-               "prefill_ms": eager["prefill_ms"],
-               "prefill_16_per_prompt_ms": eager["prefill_16_per_prompt_ms"],
+               "prefill_ms": first["prefill_ms"],
+               "prefill_16_per_prompt_ms": first["prefill_16_per_prompt_ms"],
                "decode_graphs": True,
-               "eager_tokens_per_s": {f"c{n}": eager[str(n)]["tokens_per_s"] for n in CONCURRENCY},
-               "graph_speedup": {f"c{n}": best[str(n)]["tokens_per_s"] / eager[str(n)]["tokens_per_s"]
-                                 for n in CONCURRENCY},
                "targets_tokens_per_s": {f"c{n}": t for n, t in TARGETS.items()},
                "met": {f"c{n}": best[n]["tokens_per_s"] >= t for n, t in TARGETS.items()}}
-    write_result(opts.out, "decoder", {
+    for name, other in variants.items():
+        if name != "decode_graphs" and "1" in other:
+            summary[f"{name}_tokens_per_s"] = {f"c{n}": other[str(n)]["tokens_per_s"] for n in CONCURRENCY}
+            summary[f"speedup_over_{name}"] = {
+                f"c{n}": best[str(n)]["tokens_per_s"] / other[str(n)]["tokens_per_s"] for n in CONCURRENCY}
+    write_result(opts.out, opts.name, {
         "benchmark": "decoder continuous batching", "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": "bfloat16",
         "weights": "random, real DeepSeek-3B-MoE dims", "weights_gb": weights_gb,

@@ -1,10 +1,11 @@
 """Where does a decode step's time go? Kernel table (torch.profiler) and graph-replay floor.
 
-    python bench/profile_decoder.py [--batch 1 16 64] [--context 1024]
+    python bench/profile_decoder.py [--batch 1 16 64] [--context 1024] [--kernel triton gather]
 
 Real DeepSeek-3B-MoE dims, random weights, bf16. For `batch` sequences at `context` cached
 tokens: the eager model step (wall and summed kernel time), the same step replayed from a CUDA
-graph, and the top CUDA kernels; with --compile, the graph replay of the torch.compile'd step.
+graph, and the top CUDA kernels; with --compile, the graph replay of the torch.compile'd step;
+--kernel: the paged decode attention's implementations to profile (decoder/kv_cache.py).
 Diagnostic only; writes nothing.
 """
 from __future__ import annotations
@@ -20,7 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import graph_replay_ms, print_profile, profile_step  # noqa: E402
 from decoder.checkpoint import random_decoder  # noqa: E402
 from decoder.config import DecoderArgs  # noqa: E402
-from decoder.model import CacheStep, KVCache  # noqa: E402
+from decoder.kv_cache import KVCache, pages_for  # noqa: E402
+from decoder.model import CacheStep  # noqa: E402
 
 
 def main(argv=None):
@@ -28,16 +30,23 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--rows", type=int, default=20)
+    parser.add_argument("--kernel", nargs="+", default=["triton"], choices=["triton", "gather"])
     parser.add_argument("--compile", action="store_true",
                         help="also replay a graph of the torch.compile'd step (one static compile per batch)")
     opts = parser.parse_args(argv)
     args = DecoderArgs()
     model = random_decoder(args, device="cuda", dtype=torch.bfloat16)
-    cache = KVCache(args, max(opts.batch), opts.context + 8, "cuda", torch.bfloat16)
-    for batch in opts.batch:
+    rows, kv_len = max(opts.batch), opts.context + 1
+    cache = KVCache(args.n_layers, args.n_heads, args.head_dim, rows * pages_for(kv_len), rows,
+                    kv_len, "cuda", torch.bfloat16)
+    for row in range(rows):
+        cache.reserve(row, kv_len)
+    cache.sync()
+    for batch, kernel in ((b, k) for b in opts.batch for k in opts.kernel):
+        cache.kernel = kernel
         tokens = torch.randint(3, 1000, (batch, 1), device="cuda")
         positions = torch.full((batch,), opts.context, device="cuda")
-        step = CacheStep(cache, positions=positions, kv_len=opts.context + 1)
+        step = CacheStep(cache, positions=positions, kv_len=kv_len)
         with torch.inference_mode():
             fn = lambda: model(input_ids=tokens, positions=positions[:, None], step=step)  # noqa: E731
             result = profile_step(fn, 20)
@@ -49,7 +58,7 @@ def main(argv=None):
                 compile_s = time.perf_counter() - start
                 print(f"batch {batch}: compiled step replay {graph_replay_ms(fn, 20):.2f} ms "
                       f"(compile {compile_s:.0f} s)", flush=True)
-        print_profile(f"batch {batch}, context {opts.context}", result, opts.rows)
+        print_profile(f"batch {batch}, context {opts.context}, {kernel} attention", result, opts.rows)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ At one to a few dozen sequences a decode step is hundreds of small kernels, so P
 overhead, not the GPU, sets the pace. Each graph runs the same `Decoder.forward` as the eager
 step on static buffers (newest token and position of each running sequence) and attends over a
 fixed cache length; a step replays the smallest graph holding its sequences and its longest
-context. Rows past the running sequences feed token 0 at position 0 into free slots (slots stay
-compact, so slots >= S are free, and a new sequence's prefill overwrites them).
+context. Rows past the running sequences feed token 0 at position 0; their page-table rows point
+at the KV cache's scratch page (rows stay compact, so rows >= S hold no pages).
 Captured lazily on the thread that steps the engine (AsyncEngine's), by the first step.
 bf16 on CUDA only: the MoE's grouped GEMM has no host sync there (the fp32 fallback does).
 """
@@ -20,15 +20,18 @@ import torch
 
 from common.cuda_graphs import capture_graph
 
-from .model import CacheStep, Decoder, KVCache
+from .kv_cache import KVCache
+from .model import CacheStep, Decoder
 
 log = logging.getLogger(__name__)
 # Beyond 64 the buckets step by at most 1.33x, so 128 sequences replay the 128 graph, never 256.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)
-# Attention reads a bucket's whole cache length (masked past each row's position), and at 64
-# sequences reading keys and values costs about as much as reading the weights: keep buckets
-# within 1.25-1.5x of each other.
+# The reference (gathered) attention reads a bucket's whole length (masked past each row's
+# position), and at 64 sequences reading keys and values costs about as much as reading the
+# weights: its buckets stay within 1.25-1.5x of each other. The paged kernel reads each row's own
+# pages whatever the bucket, which only sets how the context is split across programs.
 CONTEXT_BUCKETS = (512, 768, 1024, 1280, 1536, 2048, 3072, 4096, 6144, 8192)
+KERNEL_CONTEXT_BUCKETS = (1024, 2048, 4096, 8192)
 
 
 def buckets(candidates, limit: int) -> list[int]:
@@ -43,7 +46,8 @@ class DecodeGraphs:
         # sequences, 1,280 cached tokens, H200; bench/profile_decoder.py --compile).
         self.model, self.cache = model, cache
         self.batches = buckets(BATCH_BUCKETS, max_batch)
-        self.contexts = buckets(CONTEXT_BUCKETS, max_len)
+        self.contexts = buckets(KERNEL_CONTEXT_BUCKETS if cache.kernel == "triton" else CONTEXT_BUCKETS,
+                                max_len)
         self.graphs: dict[tuple[int, int], tuple] = {}
         # Host staging for each step's tokens and positions: pinned, so the copies to the static
         # inputs are asynchronous (the step's only host sync stays the pick of its tokens).

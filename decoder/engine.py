@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import CacheStep, Decoder, KVCache
+from .kv_cache import KVCache, cache_pages, pages_for
+from .model import CacheStep, Decoder
 from .ngram import NGramConfig, NoRepeatNGram
 from .sampling import SamplerGraphs, pick_tokens
 from .tokenizer import IMAGE_TOKEN_ID, IncrementalDecoder, find_stop, holdback
@@ -110,15 +111,38 @@ class _Sequence:
     emitted: int = 0  # characters of text already sent
     pending: int | None = None  # newest token, not yet in the cache
     seed: int = 0  # the request's seed (a random one when it gave none)
+    admitted: int = 0  # admission order: when pages run out, the newest give theirs back
+    done: bool = False  # finished or aborted (it may still hold a row of the step in flight)
+
+    def context(self) -> list[int]:
+        """The tokens its cache holds: the prompt and all generated but the pending one."""
+        return self.request.prompt_ids + self.tokens[:-1]
 
 
 class GenerationEngine:
-    def __init__(self, model: Decoder, tokenizer, max_batch: int = 64, max_len: int | None = None,
-                 decode_graphs: bool | None = None, prefill_tokens: int = 16384):
+    def __init__(self, model: Decoder, tokenizer, max_batch: int = 256, max_len: int | None = None,
+                 decode_graphs: bool | None = None, prefill_tokens: int = 16384,
+                 kv_cache_gb: float | None = None):
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         self.prefill_tokens = prefill_tokens  # padded tokens per batched prefill forward
         self.max_len = max_len or model.args.max_positions
-        self.cache = KVCache(model.args, max_batch, self.max_len, model.device, model.dtype)
+        # The KV cache is a budget of pages (decoder/kv_cache.py): up to max_batch sequences run
+        # while their pages fit; when they run out, the newest sequences are preempted (their
+        # pages freed, their context recomputed by a prefill when pages are free again).
+        args = model.args
+        per_token = KVCache.bytes_per_token(args.n_layers, args.n_heads, args.head_dim, model.dtype)
+        self.cache = KVCache(args.n_layers, args.n_heads, args.head_dim,
+                             cache_pages(kv_cache_gb, per_token, max_batch, self.max_len, model.device),
+                             max_batch, self.max_len, model.device, model.dtype)
+        self.max_len = min(self.max_len, self.cache.capacity_tokens)  # one sequence always fits
+        self.preempted: deque[_Sequence] = deque()  # oldest first: they resume before new requests
+        self.preemptions = 0
+        self._admissions = itertools.count()
+        # The decode step launched at the end of the last `step()` and not yet picked from:
+        # (its rows' sequences, its logits). Sequences that finished while it ran leave once
+        # it is done (`_leaving`): the page table must not change under a step in flight.
+        self._inflight: tuple[list[_Sequence], torch.Tensor] | None = None
+        self._leaving: list[_Sequence] = []
         # CUDA graphs of the decode step (decoder/decode_graphs.py), captured by `prepare()` (on
         # the thread that steps the engine, before any prefill). Default: on for a bf16 model on
         # CUDA, where they measured faster at every concurrency (bench/results/decoder-*.json).
@@ -156,7 +180,7 @@ class GenerationEngine:
         return request.request_id
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.preempted or self._inflight)
 
     @torch.inference_mode()
     def probe(self) -> None:
@@ -170,15 +194,18 @@ class GenerationEngine:
         """Drop every request (after a failed step, whose state cannot be trusted)."""
         self.waiting.clear()
         self.running.clear()
+        self.preempted.clear()
+        self._inflight, self._leaving = None, []
+        self.cache.clear()
 
     def abort(self, request_id: str) -> Delta | None:
         for request in list(self.waiting):
             if request.request_id == request_id:
                 self.waiting.remove(request)
                 return Delta(request_id, "", [], True, "aborted", len(request.prompt_ids))
-        for seq in self.running:
-            if seq.request.request_id == request_id:
-                self._leave(seq)
+        for seq in itertools.chain(self.running, self.preempted):
+            if seq.request.request_id == request_id and not seq.done:
+                self._retire(seq)
                 return self._delta(seq, [], "aborted")
         return None
 
@@ -195,70 +222,118 @@ class GenerationEngine:
 
     @torch.inference_mode()
     def step(self) -> list[Delta]:
+        """One iteration, pipelined with the GPU: pick the tokens of the decode step launched
+        last time (waiting for it), admit and prefill, launch the next decode step, and only
+        then do the per-token host work (n-gram state, detokenising, stop strings, deltas)
+        while that step runs."""
         self.prepare()
-        deltas = []
+        picked: list[tuple[_Sequence, int]] = []
+        if self._inflight is not None:
+            rows, logits = self._inflight
+            self._inflight = None
+            picked += self._take(rows, logits)  # waits for the step: the table may change now
+        for seq in self._leaving:
+            self._leave(seq)
+        self._leaving = []
         decoding = bool(self.running)
-        while self.waiting and len(self.running) < self.max_batch:
-            seqs, logits = self._prefill(self._next_prefill_group())
-            deltas += self._accept(seqs, logits)
+        while (self.preempted or self.waiting) and len(self.running) < self.max_batch:
+            group = self._next_prefill_group()
+            if not group:  # the next prompt's pages are not free yet
+                break
+            logits = self._prefill(group)
+            fresh = [row for row, seq in enumerate(group) if not seq.tokens]  # resumed ones hold theirs
+            picked += self._take([group[row] for row in fresh],
+                                 logits if len(fresh) == len(group) else logits[fresh])
             if decoding:  # running sequences wait on this step: at most one prefill forward
                 break
         if self.running:
-            active = [s for s in self.running if s.pending is not None]
-            logits = self._decode(active)
-            deltas += self._accept(active, logits)
-        return deltas
+            self._grow()
+            rows = list(self.running)
+            self._inflight = (rows, self._decode(rows))  # launched; picked by the next step()
+        return self._report(picked)
 
-    def _next_prefill_group(self) -> list[GenerationRequest]:
-        """Waiting requests to prefill in one forward: at least one, then more while slots are
-        free and the right-padded batch stays within `prefill_tokens` tokens."""
-        group = [self.waiting.popleft()]
-        longest = len(group[0].prompt_ids)
-        while self.waiting and len(self.running) + len(group) < self.max_batch:
-            longest_next = max(longest, len(self.waiting[0].prompt_ids))
-            if longest_next * (len(group) + 1) > self.prefill_tokens:
+    def _next_prefill_group(self) -> list[_Sequence]:
+        """Sequences to prefill in one forward, preempted ones first, then waiting requests: as
+        many as rows are free, the right-padded batch stays within `prefill_tokens` tokens, and
+        the free pages hold their contexts while leaving one page per running sequence (its
+        next token may start a page). Empty when the first does not fit yet."""
+        group, longest, pages = [], 0, 0
+        while len(self.running) + len(group) < self.max_batch:
+            if self.preempted:
+                seq, tokens = self.preempted[0], self.preempted[0].length
+            elif self.waiting:
+                seq, tokens = None, len(self.waiting[0].prompt_ids)
+            else:
                 break
-            group.append(self.waiting.popleft())
-            longest = longest_next
+            longest_next = max(longest, tokens)
+            if group and longest_next * (len(group) + 1) > self.prefill_tokens:
+                break
+            pages_next = pages + pages_for(tokens + 1)
+            if pages_next + len(self.running) + len(group) > self.cache.free_pages:
+                break
+            if seq is None:
+                seq = self._sequence(self.waiting.popleft())
+            else:
+                self.preempted.popleft()
+            group.append(seq)
+            longest, pages = longest_next, pages_next
         return group
 
-    def _prefill(self, requests: list[GenerationRequest]) -> tuple[list[_Sequence], torch.Tensor]:
-        """Prompts right-padded into one batch (causal rows never attend to their padding, and
+    def _sequence(self, request: GenerationRequest) -> _Sequence:
+        params = request.params
+        n = len(request.prompt_ids)
+        return _Sequence(request, -1, n, min(params.max_tokens, self.max_len - n),
+                         NoRepeatNGram(params.ngram.ngram_size, params.ngram.window,
+                                       params.ngram.whitelist) if params.ngram.enabled else None,
+                         IncrementalDecoder(self.tokenizer),
+                         seed=secrets.randbits(32) if params.seed is None else params.seed,
+                         admitted=next(self._admissions))
+
+    def _prefill(self, seqs: list[_Sequence]) -> torch.Tensor:
+        """Contexts right-padded into one batch (causal rows never attend to their padding, and
         the padded cache positions are masked until decoding overwrites them), image
-        embeddings merged at the placeholders, written into the next free slots."""
-        lengths = [len(r.prompt_ids) for r in requests]
+        embeddings merged at the prompts' placeholders, written into the next free rows'
+        pages; the last real position's logits of each row [B, vocab]."""
+        contexts = [seq.context() for seq in seqs]
+        lengths = [len(c) for c in contexts]
         started = time.monotonic()
-        for request in requests:
-            request.prefilled_at = started
-        ids = torch.zeros(len(requests), max(lengths), dtype=torch.long)
-        for row, request in enumerate(requests):
-            ids[row, :lengths[row]] = torch.tensor(request.prompt_ids)
+        slot = len(self.running)
+        for row, seq in enumerate(seqs):
+            if seq.request.prefilled_at is None:
+                seq.request.prefilled_at = started
+            seq.slot, seq.length = slot + row, lengths[row]
+            assert self.cache.reserve(seq.slot, seq.length + 1), "admitted without its pages"
+            self.running.append(seq)
+        self.cache.sync()
+        ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
+        prompt = torch.zeros(ids.shape, dtype=torch.bool)  # generated tokens are never image slots
+        for row, context in enumerate(contexts):
+            ids[row, :lengths[row]] = torch.tensor(context)
+            prompt[row, :len(seqs[row].request.prompt_ids)] = True
         ids = ids.to(self.model.device)
         embeds = self.model.embed(ids)
-        images = [e for r in requests for e in r.image_embeds]
+        images = [e for seq in seqs for e in seq.request.image_embeds]
         if images:  # placeholders in row-major order, as the images are concatenated
             images = torch.cat([e.to(embeds.device, embeds.dtype) for e in images])
-            embeds[ids == IMAGE_TOKEN_ID] = images
-        slot = len(self.running)
+            embeds[(ids == IMAGE_TOKEN_ID) & prompt.to(ids.device)] = images
         last = torch.tensor(lengths, device=self.model.device) - 1
-        logits = self.model(inputs_embeds=embeds, step=CacheStep(self.cache, slot=slot),
-                            logits_at=last)[:, -1]
-        seqs = []
-        for row, request in enumerate(requests):
-            params = request.params
-            seq = _Sequence(request, slot + row, lengths[row],
-                            min(params.max_tokens, self.max_len - lengths[row]),
-                            NoRepeatNGram(params.ngram.ngram_size, params.ngram.window,
-                                          params.ngram.whitelist) if params.ngram.enabled else None,
-                            IncrementalDecoder(self.tokenizer),
-                            seed=secrets.randbits(32) if params.seed is None else params.seed)
-            self.running.append(seq)
-            seqs.append(seq)
-        return seqs, logits
+        return self.model(inputs_embeds=embeds, step=CacheStep(self.cache, slot=slot),
+                          logits_at=last)[:, -1]
+
+    def _grow(self) -> None:
+        """Give each running sequence the page its pending token goes to; when none is free,
+        preempt the newest sequence (its pages freed; `_next_prefill_group` resumes it)."""
+        for seq in sorted(self.running, key=lambda s: s.admitted):
+            while seq.slot >= 0 and not self.cache.reserve(seq.slot, seq.length + 1):
+                victim = max(self.running, key=lambda s: s.admitted)
+                self._leave(victim)
+                self.preempted.appendleft(victim)
+                self.preemptions += 1
 
     def _decode(self, active: list[_Sequence]) -> torch.Tensor:
         # Active sequences are exactly the running ones, in slot order 0..S-1.
         assert [s.slot for s in active] == list(range(len(active))), "slots must stay compact"
+        self.cache.sync()
         if self.decode_graphs is not None:
             logits = self.decode_graphs.run([s.pending for s in active], [s.length for s in active])
             for s in active:
@@ -275,11 +350,29 @@ class GenerationEngine:
             s.pending = None
         return logits
 
-    def _accept(self, seqs: list[_Sequence], logits: torch.Tensor) -> list[Delta]:
-        """Pick each sequence's next token from its logits row; emit deltas; retire the done."""
+    def _take(self, seqs: list[_Sequence], logits: torch.Tensor) -> list[tuple[_Sequence, int]]:
+        """Pick each live sequence's next token from its logits row (the step's one host sync);
+        sequences done by EOS or max_tokens leave at once. -> (sequence, token) pairs."""
+        live = [row for row, seq in enumerate(seqs) if not seq.done]
+        if len(live) < len(seqs):
+            seqs, logits = [seqs[row] for row in live], logits[live]
+        if not seqs:
+            return []
+        picked = list(zip(seqs, self._choose(seqs, logits)))
+        for seq, token in picked:
+            seq.tokens.append(token)
+            seq.pending = token
+            eos = token == self.model.args.eos_id and not seq.request.params.ignore_eos
+            if eos or len(seq.tokens) >= seq.max_tokens:
+                seq.done = True
+                self._leave(seq)
+        return picked
+
+    def _choose(self, seqs: list[_Sequence], logits: torch.Tensor) -> list[int]:
+        """The n-gram rule's bans written into `logits` (the caller's fresh tensor), then the
+        pick: argmax, or seeded sampling for rows with a temperature."""
         # No float(): bf16 -> fp32 is exact, so argmax (ties included) is the same without the
-        # 33 MB copy at 64 sequences. `logits` is the caller's fresh tensor: written in place.
-        # All sequences' banned tokens in one indexed write (not one small copy per sequence).
+        # 33 MB copy at 64 sequences. All sequences' banned tokens in one indexed write.
         rows, cols = [], []
         for i, seq in enumerate(seqs):
             if seq.ngram is not None:
@@ -289,10 +382,13 @@ class GenerationEngine:
         if rows:
             device = logits.device
             logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
-        picks = self._pick(seqs, logits).tolist()  # the one host sync per step
+        return self._pick(seqs, logits).tolist()
+
+    def _report(self, picked: list[tuple[_Sequence, int]]) -> list[Delta]:
+        """Per picked token: the n-gram state, the text, stop strings; one delta each. A stop
+        string ends its sequence here (its row of the step in flight goes unused)."""
         deltas = []
-        for seq, token in zip(seqs, picks):
-            seq.tokens.append(token)
+        for seq, token in picked:
             if seq.ngram is not None:
                 seq.ngram.push(token)
             reason = None
@@ -307,13 +403,13 @@ class GenerationEngine:
             cut = find_stop(seq.text, list(stops), seq.emitted) if stops else None
             if cut is not None:
                 seq.text, reason = seq.text[:cut], "stop"
+                if not seq.done:
+                    self._retire(seq)
             if reason is not None:
                 if reason != "stop":
                     seq.text += seq.detok.flush()
-                self._leave(seq)
                 deltas.append(self._delta(seq, [token], reason))
             else:
-                seq.pending = token
                 deltas.append(self._delta(seq, [token], None))
         return deltas
 
@@ -340,15 +436,29 @@ class GenerationEngine:
         return Delta(seq.request.request_id, text, tokens, reason is not None, reason,
                      len(seq.request.prompt_ids), len(seq.tokens))
 
+    def _retire(self, seq: _Sequence) -> None:
+        """End a sequence now (a stop string, an abort): a preempted one just goes; a running
+        one leaves when the step in flight is done (`step` frees its row then)."""
+        seq.done = True
+        if seq.slot < 0:
+            self.preempted.remove(seq)
+        elif self._inflight is not None:
+            self._leaving.append(seq)
+        else:
+            self._leave(seq)
+
     def _leave(self, seq: _Sequence) -> None:
-        """Free seq's slot; the last running sequence moves into it (slots stay compact)."""
+        """Free seq's row and pages; the last running sequence moves into its row (rows stay
+        compact)."""
         last = self.running[-1]
         self.running.remove(seq)
+        self.cache.release(seq.slot)
         if last is not seq:
             self.cache.move(last.slot, seq.slot)
             last.slot = seq.slot
             self.running.remove(last)
             self.running.insert(seq.slot, last)
+        seq.slot = -1
 
     # -- offline helper ---------------------------------------------------------------------
     def generate(self, requests: list[GenerationRequest]) -> list[Delta]:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import DecoderArgs
+from .kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -31,46 +32,29 @@ class RMSNorm(nn.Module):
 
 
 def rope(positions: torch.Tensor, head_dim: int, theta: float, dtype):
-    """cos, sin [..., head_dim] for integer positions (computed in fp32, like the reference)."""
+    """cos and signed sin [..., head_dim] for integer positions, computed in fp32 like the
+    reference: cos = [cos f, cos f], sin = [-sin f, sin f] (the rotate-half sign folded in)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
     freqs = positions.float()[..., None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (torch.cat([freqs, freqs], dim=-1).cos().to(dtype),
+            torch.cat([-freqs, freqs], dim=-1).sin().to(dtype))
 
 
 def apply_rope(x, cos, sin):
-    """x [B, n, T, d]; cos/sin [B, T, d]: rotate-half RoPE."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return torch.addcmul(x * cos[:, None], rotated, sin[:, None])
-
-
-class KVCache:
-    """Keys and values of up to `max_seqs` sequences in fixed slots: [layers, slot, head, pos, d].
-
-    Running sequences occupy slots 0..S-1 (the engine keeps them compact), so a decode step
-    reads one contiguous view instead of gathering slots.
-    """
-
-    def __init__(self, args: DecoderArgs, max_seqs: int, max_len: int, device, dtype):
-        shape = (args.n_layers, max_seqs, args.n_heads, max_len, args.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-
-    def move(self, src: int, dst: int) -> None:
-        """Copy slot src into slot dst (compaction when a sequence leaves)."""
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+    """x [B, n, T, d]; cos/sin [B, T, d] from `rope`: rotate-half RoPE,
+    x * cos + [-x2, x1] * [sin, sin] written as x * cos + [x2, x1] * [-sin, sin]
+    (one roll instead of a negation and a concatenation; the same values)."""
+    return torch.addcmul(x * cos[:, None], x.roll(x.shape[-1] // 2, dims=-1), sin[:, None])
 
 
 @dataclass
 class CacheStep:
-    """How a forward uses the KV cache: prefill B slots, or decode slots 0..S-1."""
+    """How a forward uses the KV cache: prefill B rows, or decode rows 0..S-1."""
 
     cache: KVCache
-    slot: int | None = None  # prefill: row b written into slot `slot + b` at positions 0..T-1
-    positions: torch.Tensor | None = None  # decode: [S] position of each slot's new token
-    kv_len: int = 0  # decode: attend over cache positions [0, kv_len)
+    slot: int | None = None  # prefill: row b written into cache row `slot + b` at positions 0..T-1
+    positions: torch.Tensor | None = None  # decode: [S] position of each row's new token
+    kv_len: int = 0  # decode: every position < kv_len (a static bound: the graph's context)
 
 
 class Attention(nn.Module):
@@ -89,18 +73,13 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if step is None or step.slot is not None:  # whole sequence, causal
             if step is not None:  # rows may be right-padded: causal rows never see the pads
-                step.cache.k[layer, step.slot:step.slot + bsz, :, :t] = k
-                step.cache.v[layer, step.slot:step.slot + bsz, :, :t] = v
+                step.cache.write_prefill(layer, step.slot, k, v)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = out.transpose(1, 2).reshape(bsz, t, -1)
         else:  # one new token per running sequence
-            rows = torch.arange(bsz, device=x.device)
-            cache_k, cache_v = step.cache.k[layer], step.cache.v[layer]
-            cache_k[rows, :, step.positions] = k[:, :, 0]
-            cache_v[rows, :, step.positions] = v[:, :, 0]
-            keys, values = cache_k[:bsz, :, :step.kv_len], cache_v[:bsz, :, :step.kv_len]
-            visible = torch.arange(step.kv_len, device=x.device)[None] <= step.positions[:, None]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None, None])
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, t, -1))
+            step.cache.write_decode(layer, step.positions, k[:, :, 0], v[:, :, 0])
+            out = step.cache.attend(layer, q, step.positions, step.kv_len)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -127,14 +106,20 @@ class Gate(nn.Module):
         return weights * self.scaling, experts
 
 
-def grouped_mm(x, w, counts):
-    """x [N, K] rows sorted by group, w [G, M, K] (Linear layout), counts [G] -> [N, M]."""
+def grouped_mm(x, w, ends):
+    """x [N, K] rows sorted by group, w [G, M, K] (Linear layout), ends [G] int32 (where each
+    group's rows end: the cumulative counts) -> [N, M]."""
     # One kernel for all groups: Hopper's grouped GEMM in bf16 on CUDA; torch's fallback on CPU.
     if hasattr(torch, "_grouped_mm") and (x.dtype == torch.bfloat16 or not x.is_cuda):
-        offs = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-    parts = x.split(counts.tolist())
-    return torch.cat([p @ w[g].t() for g, p in enumerate(parts)])
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
+    return grouped_mm_loop(x, w, ends)
+
+
+def grouped_mm_loop(x, w, ends):
+    """`grouped_mm` one matmul per group (waits on the GPU for the group sizes): the fallback
+    and the reference for the grouped kernel."""
+    ends = ends.tolist()
+    return torch.cat([x[start:end] @ w[g].t() for g, (start, end) in enumerate(zip([0] + ends, ends))])
 
 
 class Experts(nn.Module):
@@ -146,18 +131,17 @@ class Experts(nn.Module):
     def forward(self, x, weights, experts):
         """x [N, H]; weights, experts [N, k] -> sum_j weights[:, j] * expert_j(x)."""
         n, k = experts.shape
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)  # (token, choice) pairs sorted by expert
-        # Tokens per expert. scatter_add into a fixed-size buffer: bincount would size its
-        # output from the data and so wait on the GPU every layer.
-        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.long, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))
-        xs = x[order // k]
-        gate, up = grouped_mm(xs, self.gate_up_proj, counts).chunk(2, dim=-1)
-        ys = grouped_mm(F.silu(gate) * up, self.down_proj, counts)
+        sorted_experts, order = experts.flatten().sort(stable=True)  # (token, choice) by expert
+        # Where each expert's rows end, read off the sorted ids on the device (bincount would
+        # size its output from the data and so wait on the GPU every layer).
+        expert_ids = torch.arange(self.gate_up_proj.shape[0], device=x.device)
+        ends = torch.searchsorted(sorted_experts, expert_ids, right=True, out_int32=True)
+        token = order // k
+        gate, up = grouped_mm(x[token], self.gate_up_proj, ends).chunk(2, dim=-1)
+        ys = grouped_mm(F.silu(gate) * up, self.down_proj, ends)
         # Combine in fp32 as DeepSeek's moe_infer does, then back to the activation dtype.
         out = torch.zeros(n, x.shape[-1], device=x.device, dtype=torch.float32)
-        out.index_add_(0, order // k, ys.float() * weights.flatten()[order, None])
+        out.index_add_(0, token, ys.float() * weights.flatten()[order, None])
         return out.to(x.dtype)
 
 

@@ -1,5 +1,8 @@
 """Continuous batching, KV cache, stop conditions and streaming of the generation engine (CPU)."""
 import asyncio
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -7,6 +10,7 @@ import torch
 from decoder.checkpoint import load_decoder
 from deployments.model_source import write_random_model
 from decoder.engine import AsyncEngine, GenerationEngine, GenerationRequest, SamplingParams
+from decoder.kv_cache import PAGE_TOKENS, KVCache, gathered_decode_attention, pages_for
 from decoder.ngram import NGramConfig
 from decoder.tokenizer import IMAGE_TOKEN_ID, ByteTokenizer, build_prompt
 
@@ -145,6 +149,8 @@ def test_abort_frees_the_slot(model, tokenizer):
     b = engine.add(make_request(tokenizer, "two", (), 5))
     engine.step()
     assert engine.abort(a).finish_reason == "aborted"
+    # A decode step is in flight (launched by step()): the row frees once it is done.
+    assert all(d.request_id == b for d in engine.step())
     assert [s.request.request_id for s in engine.running] == [b] and engine.running[0].slot == 0
     while engine.has_work():
         engine.step()
@@ -248,7 +254,9 @@ def test_decode_graphs_match_eager_decoding():
     engine = GenerationEngine(model, tokenizer, max_batch=8, max_len=1024, decode_graphs=True)
     for text in ("first page", "a second, longer prompt", "3"):
         engine.add(GenerationRequest([0] + tokenizer.encode(text), params=SamplingParams(max_tokens=16)))
-    engine.step()  # captures the graphs, prefills three requests, one graphed decode step
+    engine.step()  # captures the graphs, prefills three requests, launches a graphed decode step
+    engine._take(*engine._inflight)  # its picks (what the next step would begin with)
+    engine._inflight = None
     assert len(engine.decode_graphs.graphs) > 1
     tokens = [s.pending for s in engine.running]
     positions = [s.length for s in engine.running]
@@ -291,15 +299,15 @@ def test_decode_graphs_reproduce_eager_generations_token_for_token():
     for graphs in (True, False):
         engine = GenerationEngine(model, tokenizer, max_batch=4, max_len=1024, decode_graphs=graphs)
         if not graphs:  # the eager run's margin behind each token it picks
-            accept = engine._accept
+            choose = engine._choose
 
-            def recording(seqs, logits, accept=accept):
-                deltas = accept(seqs, logits)  # applies the n-gram bans to `logits` in place
+            def recording(seqs, logits, choose=choose):
+                picks = choose(seqs, logits)  # applies the n-gram bans to `logits` in place
                 top = logits.float().topk(2, dim=-1).values
                 for seq, (first, second) in zip(seqs, top.tolist()):
                     gaps.setdefault(seq.request.request_id, []).append((first - second) / abs(first))
-                return deltas
-            engine._accept = recording
+                return picks
+            engine._choose = recording
         requests = [GenerationRequest([0] + tokenizer.encode(p), params=SamplingParams(max_tokens=24 + 8 * i))
                     for i, p in enumerate(prompts)]
         runs[graphs] = [d.token_ids for d in engine.generate(requests)]
@@ -332,7 +340,7 @@ def test_prefill_groups_respect_the_token_budget(model, tokenizer):
     while engine.waiting:
         group = engine._next_prefill_group()
         groups.append(len(group))
-        assert len(group) == 1 or max(len(r.prompt_ids) for r in group) * len(group) <= 1300
+        assert len(group) == 1 or max(len(s.request.prompt_ids) for s in group) * len(group) <= 1300
     assert groups == [2, 1, 2]
 
 
@@ -392,3 +400,106 @@ def test_async_engine_start_failure_is_raised(model, tokenizer, monkeypatch):
     monkeypatch.setattr(engine, "prepare", broken)
     with pytest.raises(RuntimeError, match="failed to start: capture failed"):
         AsyncEngine(engine)
+
+
+def page_budget_gb(model, pages):
+    args = model.args
+    return pages * PAGE_TOKENS * KVCache.bytes_per_token(args.n_layers, args.n_heads, args.head_dim,
+                                                         model.dtype) / 1e9
+
+
+@pytest.mark.parametrize("ngram", [OFF, NGramConfig(ngram_size=3, window=20)], ids=["plain", "ngram"])
+def test_preempted_sequences_resume_and_equal_alone(model, tokenizer, ngram):
+    """A KV cache of 5 pages (320 tokens) for three sequences growing to ~150 tokens each: the
+    newest are preempted when pages run out (pages freed, context recomputed on resumption,
+    image rows included) and every generation still equals the request generated alone."""
+    batch = [make_request(tokenizer, "<image>\nFree OCR.", [40], 100, 1, ngram=ngram),
+             make_request(tokenizer, "hello " * 8, (), 90, 2, ngram=ngram),
+             make_request(tokenizer, "<image>x", [30], 110, 3, ngram=ngram)]
+    engine = GenerationEngine(model, tokenizer, max_batch=3, max_len=2048,
+                              kv_cache_gb=page_budget_gb(model, 5))
+    assert engine.cache.num_pages == 5 and engine.max_len == 5 * PAGE_TOKENS
+    together = engine.generate(batch)
+    assert engine.preemptions > 0
+    assert engine.cache.free_pages == 5  # every page came back
+    for request, t in zip(batch, together):
+        (a,) = GenerationEngine(model, tokenizer, max_batch=1, max_len=2048).generate([request])
+        assert t.token_ids == a.token_ids and t.text == a.text and len(t.token_ids) == request.params.max_tokens
+
+
+def test_the_cache_bounds_sequences_and_prompts(model, tokenizer):
+    """Admission waits for pages (one page kept per running sequence for its next token); a
+    prompt longer than the whole cache is refused when added."""
+    engine = GenerationEngine(model, tokenizer, max_batch=8, max_len=2048,
+                              kv_cache_gb=page_budget_gb(model, 4))
+    for i in range(4):
+        engine.add(make_request(tokenizer, "a" * 100, (), 4, i, ngram=OFF))  # 2 pages each with BOS
+    engine.step()
+    assert len(engine.running) == 1 and len(engine.waiting) == 3  # 2 pages + 1 reserved + 2 > 4
+    results = []
+    while engine.has_work():
+        results += [d for d in engine.step() if d.finished]
+    assert len(results) == 4 and engine.cache.free_pages == 4
+    with pytest.raises(ValueError, match="does not fit the context of 256"):
+        engine.add(make_request(tokenizer, "a" * 300, (), 4, 0))
+
+
+def test_kv_cache_pages_rows_and_scratch():
+    cache = KVCache(1, 1, 4, num_pages=3, max_seqs=3, max_len=256, device="cpu", dtype=torch.float32)
+    assert cache.reserve(0, 65) and cache.table[0].tolist() == [1, 2, 0, 0]
+    assert not cache.reserve(1, 129) and cache.free_pages == 1  # all or nothing
+    assert cache.reserve(1, 1) and cache.table[1].tolist() == [3, 0, 0, 0]
+    cache.release(0)
+    cache.move(1, 0)  # the last row moves into the freed one: its table row, no keys copied
+    assert cache.table[:2].tolist() == [[3, 0, 0, 0], [0, 0, 0, 0]] and cache.free_pages == 2
+    cache.clear()
+    assert cache.free_pages == 3 and not cache.table.any()
+
+
+def test_paged_kernel_equals_the_gathered_reference_in_triton_interpreter():
+    """The Triton decode kernel, run by Triton's CPU interpreter (fp32), against the gathered
+    SDPA reference: splits from 1 to many, rows at page edges, pages in any order."""
+    triton = pytest.importorskip("triton")  # noqa: F841
+    code = """
+import torch
+from decoder.kv_cache import PAGE_TOKENS, gathered_decode_attention
+from decoder.triton_paged_attention import paged_decode_attention
+torch.manual_seed(0)
+heads, d, pages = 3, 32, 40
+k, v = torch.randn(pages, heads, PAGE_TOKENS, d), torch.randn(pages, heads, PAGE_TOKENS, d)
+for rows, kv_len, positions, block, split in [(1, 1024, [1023], 64, 128), (4, 300, [0, 63, 64, 299], 32, 64),
+                                             (6, 300, None, 128, 512)]:
+    table = torch.stack([torch.randperm(pages - 1)[:16] + 1 for _ in range(rows)]).int()
+    p = torch.tensor(positions) if positions else torch.randint(0, kv_len, (rows,))
+    q = torch.randn(rows, heads, 1, d)
+    ref = gathered_decode_attention(q, k, v, table, p, kv_len)
+    out = paged_decode_attention(q[:, :, 0], k, v, table, p, kv_len, block_t=block,
+                                 split_tokens=split).view(rows, 1, heads * d)
+    print(rows, -(-kv_len // split), float((out - ref).abs().max()))
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    splits = [int(line.split()[1]) for line in run.stdout.split("\n") if line]
+    assert splits[0] > 1 and splits[-1] == 1, run.stdout  # both the split and the one-split path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,kv_len", [(1, 8192), (16, 1536), (64, 2048), (256, 1024)])
+def test_paged_kernel_equals_the_gathered_reference_on_gpu(rows, kv_len):
+    from decoder.triton_paged_attention import paged_decode_attention
+    torch.manual_seed(0)
+    heads, d, pages = 10, 128, rows * pages_for(kv_len) + 1
+    k = torch.randn(pages, heads, PAGE_TOKENS, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    table = (torch.randperm(pages - 1, device="cuda")[:rows * pages_for(kv_len)] + 1).view(rows, -1).int()
+    p = torch.randint(0, kv_len, (rows,), device="cuda")
+    p[0] = kv_len - 1
+    q = torch.randn(rows, heads, 1, d, device="cuda", dtype=torch.bfloat16)
+    ref = gathered_decode_attention(q.float(), k.float(), v.float(), table, p, kv_len)
+    out = paged_decode_attention(q[:, :, 0], k, v, table, p, kv_len).view(rows, 1, heads * d)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    print(f"rows {rows} kv_len {kv_len}: paged kernel vs fp32 reference {err:.2e}")
+    assert err < 1e-2
