@@ -40,12 +40,10 @@ URL = "http://127.0.0.1:8000"
 GENERATED = 700
 CONCURRENCY = (1, 16, 64, 256)
 TARGETS = {"pages_per_s_best": 20.0, "cold_start_s": 30.0}
-# What the bench changes in gpu-shared.yaml so 256 pages can be in flight: the decoder's slots
-# (each holds max_len tokens: 256 x 2,048 fit in its half of the GPU; 8,192 would not) and the
-# queues in front of it.
-OVERRIDES = {"args": {"max_batch": 256, "max_len": 2048, "max_inflight_requests": 1024},
-             "deployments": {"Decoder": {"max_ongoing_requests": 512},
-                             "Router": {"max_ongoing_requests": 1024}}}
+# What the bench changes in gpu-shared.yaml so 256 pages can be in flight at once: the router's
+# queues (the decoder's defaults already take 256 sequences: its KV cache is paged).
+OVERRIDES = {"args": {"max_inflight_requests": 1024},
+             "deployments": {"Router": {"max_ongoing_requests": 1024}}}
 
 
 def page_png(seed: int, size=(1191, 1684)) -> bytes:
@@ -171,6 +169,10 @@ def main(argv=None) -> None:
                   f"tokens/s, p50 {rows[str(c)]['p50_s']:.2f} s, p99 {rows[str(c)]['p99_s']:.2f} s", flush=True)
         stats = {name: requests.get(f"{URL}/ready", timeout=30).json()["tiers"].get(name)
                  for name in ("GlobalEncoder", "LocalEncoder", "Decoder")}
+    except Exception:  # the app's side of a failure is in its log (replica logs included)
+        log.flush()
+        print(log_errors(log.name), flush=True)
+        raise
     finally:
         os.killpg(server.pid, signal.SIGINT)
         try:
@@ -197,6 +199,13 @@ def main(argv=None) -> None:
         "summary": summary, "concurrency": rows, "tiers": stats})
     if not opts.smoke:  # matplotlib is the bench extra, not on CI's machine
         plot(rows, os.path.join(opts.out, f"{name}-{date}.png"))
+
+
+def log_errors(path: str, lines: int = 120) -> str:
+    """The last tracebacks and error lines of the `serve run` log."""
+    marks = ("Traceback", "Error", "error", "Exception", '  File "', "raise ")
+    found = [line.rstrip() for line in open(path, errors="replace") if any(m in line for m in marks)]
+    return "\n".join(["--- serve run log, error lines:"] + found[-lines:])
 
 
 def wait_for_first_page(server, started: float, png: bytes, max_tokens: int, log_path: str) -> float:

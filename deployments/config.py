@@ -30,7 +30,13 @@ class AppConfig(BaseModel):
         32, ge=1, le=256, description="images per encoder batch; sets both paths' graph budgets")
     max_graph_memory_gb: float | None = Field(
         None, gt=0, description="cap on each encoder replica's graph memory (largest dropped first)")
-    max_batch: int = Field(64, ge=1, le=1024, description="decoder sequences decoded together")
+    max_batch: int = Field(
+        256, ge=1, le=1024, description="decoder sequences decoded together, at most (as many as "
+        "the KV cache's pages hold)")
+    kv_cache_gb: float | None = Field(
+        None, gt=0, description="decoder KV-cache size in GB (pages shared by all sequences); "
+        "none: 70% of what the decoder's GPU memory share leaves after weights, less a 4 GB "
+        "working reserve (CPU: up to 256 MB)")
     max_len: int | None = Field(
         None, ge=1024, description="decoder context in tokens; none: the checkpoint's")
     max_images_per_request: int = Field(16, ge=1, le=256, description="images in one request")

@@ -26,7 +26,7 @@ from .protocol import Wire, from_wire
 
 # max_queued_requests: past it, callers get BackPressureError at once (the router answers 503
 # with Retry-After) instead of queueing without bound.
-@serve.deployment(max_ongoing_requests=128, max_queued_requests=512,
+@serve.deployment(max_ongoing_requests=288, max_queued_requests=512,
                   ray_actor_options={"num_cpus": 0.25})
 class DecoderServer:
     def __init__(self, config: AppConfig):
@@ -37,7 +37,8 @@ class DecoderServer:
         tokenizer = load_tokenizer(directory if config.checkpoint else None)
         # use_graphs None: decode-step CUDA graphs on a GPU, eager on CPU.
         self.engine = AsyncEngine(GenerationEngine(model, tokenizer, config.max_batch, config.max_len,
-                                                   decode_graphs=config.use_graphs))
+                                                   decode_graphs=config.use_graphs,
+                                                   kv_cache_gb=config.kv_cache_gb))
         self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)
 
     def stats(self) -> dict:
@@ -45,7 +46,9 @@ class DecoderServer:
         return {"model": self.model_label, "replica": replica_id(), "pid": os.getpid(),
                 "gpu_ids": ray.get_gpu_ids(),
                 "decode_graphs": engine.decode_graphs is not None,
-                "running": len(engine.running), "waiting": len(engine.waiting)}
+                "running": len(engine.running), "waiting": len(engine.waiting),
+                "preempted": len(engine.preempted), "preemptions": engine.preemptions,
+                "kv_cache_pages": engine.cache.num_pages, "kv_cache_pages_in_use": engine.cache.pages_in_use()}
 
     async def check_health(self):
         """Fails when the engine thread died or has made no step for minutes; when idle, now and
@@ -66,7 +69,8 @@ class DecoderServer:
         """Answers once the constructor (weights, decode-graph capture) has finished."""
         engine = self.engine.engine
         return {"ready": self.engine.alive, "decode_graphs": engine.decode_graphs is not None,
-                "max_batch": engine.max_batch, "max_len": engine.max_len}
+                "max_batch": engine.max_batch, "max_len": engine.max_len,
+                "kv_cache_tokens": engine.cache.capacity_tokens}
 
     async def generate(self, prompt_ids: list[int], image_embeds: list[Wire],
                        params: SamplingParams) -> dict:
@@ -118,8 +122,6 @@ class DecoderServer:
         """Running / waiting sequences and KV-cache use, read from the engine (its thread owns
         them; a slightly stale reading is fine for a gauge)."""
         engine, metrics = self.engine.engine, decoder_metrics()
-        running = list(engine.running)
-        metrics["running"].set(len(running))
+        metrics["running"].set(len(engine.running))
         metrics["waiting"].set(len(engine.waiting))
-        in_use = sum(s.length for s in running)
-        metrics["kv_cache_usage"].set(in_use / (engine.max_batch * engine.max_len))
+        metrics["kv_cache_usage"].set(engine.cache.pages_in_use() / engine.cache.num_pages)

@@ -55,7 +55,7 @@ def decoder_metrics() -> dict:
         "running": Gauge("ocr_decoder_running", "sequences being decoded"),
         "waiting": Gauge("ocr_decoder_waiting", "requests waiting for a slot"),
         "kv_cache_usage": Gauge("ocr_decoder_kv_cache_usage",
-                                "fraction of the KV cache's token positions in use"),
+                                "fraction of the KV cache's pages in use"),
         "queue_ms": Histogram("ocr_decoder_queue_ms", "from arrival to the start of its prefill",
                               boundaries=MS_BUCKETS),
         "prefill_ms": Histogram("ocr_decoder_prefill_ms", "from the start of its prefill to its "
