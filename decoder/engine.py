@@ -240,7 +240,13 @@ class GenerationEngine:
             group = self._next_prefill_group()
             if not group:  # the next prompt's pages are not free yet
                 break
-            logits = self._prefill(group)
+            try:
+                logits = self._prefill(group)
+            except torch.cuda.OutOfMemoryError:
+                if len(group) == 1:  # nothing smaller to try: the step fails as any other
+                    raise
+                self._unadmit(group)
+                continue
             fresh = [row for row, seq in enumerate(group) if not seq.tokens]  # resumed ones hold theirs
             picked += self._take([group[row] for row in fresh],
                                  logits if len(fresh) == len(group) else logits[fresh])
@@ -278,6 +284,26 @@ class GenerationEngine:
             group.append(seq)
             longest, pages = longest_next, pages_next
         return group
+
+    def _unadmit(self, group: list[_Sequence]) -> None:
+        """A prefill ran out of GPU memory: its sequences go back to the front of their queues,
+        pages freed, and later prefills take at most half the failed forward's tokens (running
+        sequences and the requests in flight are untouched)."""
+        padded = len(group) * max(seq.length for seq in group)  # the forward that failed
+        for seq in reversed(group):  # the group's rows are the last ones
+            self.running.remove(seq)
+            self.cache.release(seq.slot)
+            seq.slot = -1
+            if seq.tokens:
+                self.preempted.appendleft(seq)
+            else:
+                seq.request.prefilled_at = None
+                self.waiting.appendleft(seq.request)
+        self.prefill_tokens = max(1, min(self.prefill_tokens, padded) // 2)
+        log.warning("a prefill of %d sequences ran out of GPU memory: retrying them with at most "
+                    "%d prefill tokens per forward", len(group), self.prefill_tokens)
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _sequence(self, request: GenerationRequest) -> _Sequence:
         params = request.params

@@ -503,3 +503,28 @@ def test_paged_kernel_equals_the_gathered_reference_on_gpu(rows, kv_len):
     err = ((out.float() - ref).norm() / ref.norm()).item()
     print(f"rows {rows} kv_len {kv_len}: paged kernel vs fp32 reference {err:.2e}")
     assert err < 1e-2
+
+
+def test_a_prefill_out_of_gpu_memory_is_retried_in_smaller_groups(model, tokenizer, monkeypatch):
+    """A CUDA OOM in a batched prefill (seen under load when the KV cache left too little room)
+    puts the group back and halves the prefill budget to below the failed forward: every
+    request still completes, equal to a run without the failure, instead of the step failing
+    every request in flight."""
+    batch = [make_request(tokenizer, "hello " * 4, (), 6, i, ngram=OFF) for i in range(4)]
+    expected = [d.token_ids for d in GenerationEngine(model, tokenizer, max_batch=4, max_len=256).generate(batch)]
+    engine = GenerationEngine(model, tokenizer, max_batch=4, max_len=256, prefill_tokens=4096)
+    forward, failures = model.forward, []
+
+    def flaky(*args, **kwargs):
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is not None and embeds.shape[0] > 2:
+            failures.append(embeds.shape[0])
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 468.00 MiB")
+        return forward(*args, **kwargs)
+    monkeypatch.setattr(model, "forward", flaky)
+    fresh = [make_request(tokenizer, "hello " * 4, (), 6, i, ngram=OFF) for i in range(4)]
+    got = engine.generate(fresh)
+    prompt = len(fresh[0].prompt_ids)
+    assert failures == [4] and engine.prefill_tokens == 2 * prompt  # then two groups of two
+    assert [d.token_ids for d in got] == expected
+    assert engine.cache.free_pages == engine.cache.num_pages
