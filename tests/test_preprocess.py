@@ -791,3 +791,39 @@ def test_tiling_works_in_a_forked_child():
     child.join(timeout=60)
     assert not child.is_alive(), "preprocess hung in the forked child"
     assert queue.get(timeout=5) == 6
+
+
+# ---------------------------------------------------------------------------
+# Grey images resized as one channel (the fast path) against three (the reference)
+# ---------------------------------------------------------------------------
+
+
+def grey_noise(width: int, height: int, seed: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width), dtype=np.uint8))
+
+
+def almost_grey(width: int, height: int, seed: int) -> Image.Image:
+    """Grey in RGB but for one pixel away from the sampled grid: the full check must see it."""
+    rgb = np.array(grey_noise(width, height, seed).convert("RGB"))
+    rgb[height // 2 + 1, width // 2 + 1, 2] ^= 1
+    return Image.fromarray(rgb)
+
+
+@pytest.mark.parametrize("mode", ["gundam", "tiny", "base", "large"])
+@pytest.mark.parametrize("make, one_channel", [
+    (lambda: grey_noise(700, 500, 1), True),                    # an "L" scan, tiled 3x2
+    (lambda: grey_noise(1191, 1684, 2).convert("RGB"), True),   # a grey page stored as RGB
+    (lambda: grey_noise(300, 200, 3).convert("1"), True),       # bilevel
+    (lambda: almost_grey(640, 900, 4), False),                  # one pixel off grey
+    (lambda: noise_image(700, 500, seed=5), False),             # colour
+], ids=["L", "grey-rgb", "bilevel", "almost-grey", "colour"])
+def test_grey_fast_path_gives_the_reference_pixels(mode, make, one_channel):
+    from encoder.preprocess import _grey_channel
+    image = make()
+    assert (_grey_channel(load_image(image)) is not None) == one_channel
+    fast, reference = preprocess(image, mode=mode), preprocess(image, mode=mode, grey=False)
+    assert torch.equal(fast.global_view, reference.global_view)
+    assert torch.equal(fast.crops, reference.crops)
+    assert (fast.grid, fast.num_tokens, fast.original_size) == \
+        (reference.grid, reference.num_tokens, reference.original_size)
+    assert fast.global_view.is_contiguous() and fast.crops.is_contiguous()
