@@ -20,7 +20,7 @@ from decoder import (AsyncEngine, GenerationEngine, GenerationRequest, SamplingP
 
 from .config import PROBE_EVERY_S, STUCK_AFTER_S, AppConfig
 from .metrics import decoder_metrics
-from .model_source import cap_gpu_memory, device_and_dtype, replica_id, resolve_checkpoint
+from .model_source import cap_gpu_memory, device_and_dtype, replica_id, resolve_checkpoint, startup_phases
 from .protocol import Wire, from_wire
 
 
@@ -33,12 +33,16 @@ class DecoderServer:
         cap_gpu_memory(config.gpu_memory_fraction("decoder"))
         device, dtype = device_and_dtype()
         directory, self.model_label = resolve_checkpoint(config.checkpoint)
+        start = time.perf_counter()
         model = load_decoder(directory, device=device, dtype=dtype)
         tokenizer = load_tokenizer(directory if config.checkpoint else None)
+        loaded = time.perf_counter()
         # use_graphs None: decode-step CUDA graphs on a GPU, eager on CPU.
         self.engine = AsyncEngine(GenerationEngine(model, tokenizer, config.max_batch, config.max_len,
                                                    decode_graphs=config.use_graphs,
                                                    kv_cache_gb=config.kv_cache_gb))
+        # "graphs": the KV cache's allocation and the decode and sampler graphs' capture.
+        self.startup_s = startup_phases(weights=loaded - start, graphs=time.perf_counter() - loaded)
         self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)
 
     def stats(self) -> dict:
@@ -70,7 +74,7 @@ class DecoderServer:
         engine = self.engine.engine
         return {"ready": self.engine.alive, "decode_graphs": engine.decode_graphs is not None,
                 "max_batch": engine.max_batch, "max_len": engine.max_len,
-                "kv_cache_tokens": engine.cache.capacity_tokens}
+                "kv_cache_tokens": engine.cache.capacity_tokens, "startup_s": self.startup_s}
 
     async def generate(self, prompt_ids: list[int], image_embeds: list[Wire],
                        params: SamplingParams) -> dict:
@@ -124,4 +128,5 @@ class DecoderServer:
         engine, metrics = self.engine.engine, decoder_metrics()
         metrics["running"].set(len(engine.running))
         metrics["waiting"].set(len(engine.waiting))
+        metrics["preempted"].set(len(engine.preempted))
         metrics["kv_cache_usage"].set(engine.cache.pages_in_use() / engine.cache.num_pages)

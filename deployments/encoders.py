@@ -23,7 +23,7 @@ from encoder import DualPathEncoder, load_encoder
 
 from .config import PROBE_EVERY_S, STUCK_AFTER_S, AppConfig
 from .metrics import encoder_metrics
-from .model_source import cap_gpu_memory, device_and_dtype, replica_id, resolve_checkpoint
+from .model_source import cap_gpu_memory, device_and_dtype, replica_id, resolve_checkpoint, startup_phases
 from .protocol import Wire, from_wire, to_wire
 
 
@@ -54,9 +54,13 @@ class PathEncoder:
     def _load(self, config: AppConfig) -> DualPathEncoder:
         device, dtype = device_and_dtype()
         directory, self.model_label = resolve_checkpoint(config.checkpoint)
-        return DualPathEncoder(load_encoder(directory, device=device, dtype=dtype),
-                               max_images=config.max_images, use_graphs=config.use_graphs,
-                               max_graph_memory_gb=config.max_graph_memory_gb, paths=(self.path,))
+        start = time.perf_counter()
+        encoder = load_encoder(directory, device=device, dtype=dtype)
+        loaded = time.perf_counter()
+        engine = DualPathEncoder(encoder, max_images=config.max_images, use_graphs=config.use_graphs,
+                                 max_graph_memory_gb=config.max_graph_memory_gb, paths=(self.path,))
+        self.startup_s = startup_phases(weights=loaded - start, graphs=time.perf_counter() - loaded)
+        return engine
 
     async def encode(self, pixels: Wire) -> Wire:
         """GlobalEncoder: a global view [3, S, S] -> its tokens [g*(g+1), D].
@@ -131,7 +135,7 @@ class PathEncoder:
     def ready(self) -> dict:
         """Answers once the constructor (weights, graph capture) has finished."""
         return {"ready": True, "path": self.path, "graphs": len(self.runner.graphs),
-                "device": str(self.engine.encoder.device)}
+                "device": str(self.engine.encoder.device), "startup_s": self.startup_s}
 
     def stats(self) -> dict:
         return {"path": self.path, "model": self.model_label, "replica": replica_id(),

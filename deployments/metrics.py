@@ -54,6 +54,8 @@ def decoder_metrics() -> dict:
     return {
         "running": Gauge("ocr_decoder_running", "sequences being decoded"),
         "waiting": Gauge("ocr_decoder_waiting", "requests waiting for a slot"),
+        "preempted": Gauge("ocr_decoder_preempted",
+                           "sequences preempted (KV-cache pages ran out), waiting to resume"),
         "kv_cache_usage": Gauge("ocr_decoder_kv_cache_usage",
                                 "fraction of the KV cache's pages in use"),
         "queue_ms": Histogram("ocr_decoder_queue_ms", "from arrival to the start of its prefill",

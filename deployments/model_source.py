@@ -75,3 +75,18 @@ def cap_gpu_memory(fraction: float | None) -> None:
     """Replicas sharing a GPU each cap their allocator (Ray isolates no GPU memory)."""
     if fraction and torch.cuda.is_available():
         torch.cuda.set_per_process_memory_fraction(fraction)
+
+
+def startup_phases(**seconds: float) -> dict[str, float]:
+    """A replica's start-up, for /ready: the phases it timed and `process`, the seconds from its
+    process's start (imports and Ray's actor set-up included) to now (the end of its
+    constructor); `process` is left out where /proc cannot tell."""
+    phases = {name: round(s, 2) for name, s in seconds.items()}
+    try:  # field 22 of /proc/self/stat: the start, in clock ticks after boot
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            phases["process"] = round(float(f.read().split()[0]) - started, 2)
+    except (OSError, ValueError, IndexError):
+        pass
+    return phases

@@ -177,6 +177,11 @@ def test_ready_reports_every_tier(limited):
     assert body["status"] == "ready" and body["not_ready"] == []
     assert set(body["tiers"]) == {"GlobalEncoder", "LocalEncoder", "Decoder"}
     assert all(tier["ready"] for tier in body["tiers"].values())
+    # where each tier's start-up went (the e2e bench records it beside its cold start)
+    for tier in body["tiers"].values():
+        phases = tier["startup_s"]
+        assert phases["weights"] >= 0 and phases["graphs"] >= 0
+        assert phases["process"] >= phases["weights"] + phases["graphs"]
 
 
 def test_four_times_capacity_is_answered_or_refused_never_lost(limited):
