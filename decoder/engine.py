@@ -11,8 +11,12 @@
   3. per sequence: the no-repeat-n-gram rule bans tokens, argmax (or, for a request with a
      temperature, seeded sampling: decoder/sampling.py) picks the next one, text deltas
      are decoded incrementally, and EOS / max_tokens / stop strings / the context limit finish it;
-     a finished sequence leaves and the last running one moves into its slot (slots stay
-     compact, so the decode step reads one contiguous view of the cache).
+     a finished sequence leaves and the last running one moves into its row of the page table
+     (rows stay compact: the decode step's rows are 0..S-1).
+Steps are pipelined: step 2 is launched at the end of `step()` and picked at the start of the
+next one, so the host's per-token work of step 3 runs while the GPU decodes. The KV cache is a
+budget of pages (decoder/kv_cache.py): admission waits for free pages, and a sequence that
+finds none preempts the newest (resumed later by one prefill of its context).
 Decoding of each sequence does not depend on its neighbours: rows never attend to each other,
 padded cache positions are masked, and a sampled token's randomness is a function of its own
 request's seed and step, so batching reproduces generating alone.
