@@ -231,7 +231,7 @@ class GenerationEngine:
         then do the per-token host work (n-gram state, detokenising, stop strings, deltas)
         while that step runs."""
         self.prepare()
-        picked: list[tuple[_Sequence, int]] = []
+        picked: list[tuple[_Sequence, int, str | None]] = []
         if self._inflight is not None:
             rows, logits = self._inflight
             self._inflight = None
@@ -366,36 +366,39 @@ class GenerationEngine:
         self.cache.sync()
         if self.decode_graphs is not None:
             logits = self.decode_graphs.run([s.pending for s in active], [s.length for s in active])
-            for s in active:
-                s.length += 1
-                s.pending = None
-            return logits
-        device = self.model.device
-        tokens = torch.tensor([[s.pending] for s in active], device=device)
-        positions = torch.tensor([s.length for s in active], device=device)
-        step = CacheStep(self.cache, positions=positions, kv_len=max(s.length for s in active) + 1)
-        logits = self.model(input_ids=tokens, positions=positions[:, None], step=step)[:, -1]
+        else:
+            device = self.model.device
+            tokens = torch.tensor([[s.pending] for s in active], device=device)
+            positions = torch.tensor([s.length for s in active], device=device)
+            step = CacheStep(self.cache, positions=positions, kv_len=max(s.length for s in active) + 1)
+            logits = self.model(input_ids=tokens, positions=positions[:, None], step=step)[:, -1]
         for s in active:
             s.length += 1
             s.pending = None
         return logits
 
-    def _take(self, seqs: list[_Sequence], logits: torch.Tensor) -> list[tuple[_Sequence, int]]:
+    def _take(self, seqs: list[_Sequence], logits: torch.Tensor) -> list[tuple[_Sequence, int, str | None]]:
         """Pick each live sequence's next token from its logits row (the step's one host sync);
-        sequences done by EOS or max_tokens leave at once. -> (sequence, token) pairs."""
+        sequences done by EOS or max_tokens leave at once. -> (sequence, token, "eos" /
+        "length" / None) for each."""
         live = [row for row, seq in enumerate(seqs) if not seq.done]
         if len(live) < len(seqs):
             seqs, logits = [seqs[row] for row in live], logits[live]
         if not seqs:
             return []
-        picked = list(zip(seqs, self._choose(seqs, logits)))
-        for seq, token in picked:
+        picked = []
+        for seq, token in zip(seqs, self._choose(seqs, logits)):
             seq.tokens.append(token)
             seq.pending = token
-            eos = token == self.model.args.eos_id and not seq.request.params.ignore_eos
-            if eos or len(seq.tokens) >= seq.max_tokens:
+            reason = None
+            if token == self.model.args.eos_id and not seq.request.params.ignore_eos:
+                reason = "eos"
+            elif len(seq.tokens) >= seq.max_tokens:
+                reason = "length"
+            if reason is not None:
                 seq.done = True
                 self._leave(seq)
+            picked.append((seq, token, reason))
         return picked
 
     def _choose(self, seqs: list[_Sequence], logits: torch.Tensor) -> list[int]:
@@ -414,21 +417,16 @@ class GenerationEngine:
             logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
         return self._pick(seqs, logits).tolist()
 
-    def _report(self, picked: list[tuple[_Sequence, int]]) -> list[Delta]:
+    def _report(self, picked: list[tuple[_Sequence, int, str | None]]) -> list[Delta]:
         """Per picked token: the n-gram state, the text, stop strings; one delta each. A stop
         string ends its sequence here (its row of the step in flight goes unused)."""
         deltas = []
-        for seq, token in picked:
+        for seq, token, reason in picked:
             if seq.ngram is not None:
                 seq.ngram.push(token)
-            reason = None
-            if token == self.model.args.eos_id and not seq.request.params.ignore_eos:
-                reason = "eos"
-            else:
-                if not (seq.request.params.skip_special_tokens and token in self.special_ids):
-                    seq.text += seq.detok.push([token])
-                if len(seq.tokens) >= seq.max_tokens:
-                    reason = "length"
+            if reason != "eos" and not (seq.request.params.skip_special_tokens
+                                        and token in self.special_ids):
+                seq.text += seq.detok.push([token])
             stops = seq.request.params.stop
             cut = find_stop(seq.text, list(stops), seq.emitted) if stops else None
             if cut is not None:
