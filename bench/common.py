@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 
 import torch
@@ -65,9 +66,36 @@ def profile_step(fn, iters: int = 10) -> dict:
             "replay_ms": graph_replay_ms(fn, iters), "events": events}
 
 
+# Kernel families by name (first match wins), for the per-family totals of print_profile.
+KERNEL_FAMILIES = (
+    ("relpos attention (ours)", r"_relpos_attention_fwd"),
+    ("paged attention (ours)", r"paged|_combine"),
+    ("flash / sdpa attention", r"flash|fmha|attention|cutlass::Kernel"),
+    ("matmul", r"gemm|nvjet|sm90_xmma|cublas|cutlass|matmul|splitK"),
+    ("conv", r"conv|implicit|winograd"),
+    ("layer norm", r"layer_norm|LayerNorm|norm_kernel"),
+    ("copy / cat / pad", r"copy|Memcpy|Memset|cat|CatArray|pad|fill"),
+    ("elementwise", r"elementwise|vectorized|unrolled|triton_"),
+    ("reduce / softmax", r"reduce|softmax|Reduce"),
+)
+
+
+def kernel_families(events) -> dict[str, float]:
+    """CUDA self time (ms) per kernel family, largest first; names matching none: 'other'."""
+    totals: dict[str, float] = {}
+    for e in events:
+        if e.device_type.name != "CUDA" or not e.self_device_time_total:
+            continue
+        family = next((f for f, pattern in KERNEL_FAMILIES if re.search(pattern, e.key)), "other")
+        totals[family] = totals.get(family, 0.0) + e.self_device_time_total / 1e3
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
 def print_profile(title: str, p: dict, rows: int) -> None:
     print(f"\n=== {title}: eager {p['eager_ms']:.2f} ms, kernels {p['kernel_ms']:.2f} ms, graph replay "
           f"{p['replay_ms']:.2f} ms, kernel launches {p['launches']}")
+    for family, ms in kernel_families(p["events"]).items():
+        print(f"  {family:>26}: {ms:8.2f} ms ({ms / p['kernel_ms']:.0%})")
     if rows:
         print(p["events"].table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60))
 

@@ -39,6 +39,10 @@ class AppConfig(BaseModel):
         "working reserve (CPU: up to 256 MB)")
     max_len: int | None = Field(
         None, ge=1024, description="decoder context in tokens; none: the checkpoint's")
+    views_on_encoder: bool = Field(
+        True, description="routers only decode images; the encoders make the views on their "
+        "device (GPU: PIL's exact bicubic arithmetic as tensor math; CPU: PIL); false: routers "
+        "make them with PIL")
     max_images_per_request: int = Field(16, ge=1, le=256, description="images in one request")
     max_request_mb: int = Field(64, ge=1, le=2048, description="largest request body (HTTP 413 above)")
     max_pages: int = Field(5000, ge=1, le=100_000, description="pages of one PDF (HTTP 413 above)")

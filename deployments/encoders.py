@@ -20,6 +20,8 @@ import ray
 from ray import serve
 
 from encoder import DualPathEncoder, load_encoder
+from encoder.preprocess import (DEFAULT_MAX_CROPS, MAX_CROPS_LIMIT, check_view_options, crops_of,
+                                global_view_of)
 
 from .config import PROBE_EVERY_S, STUCK_AFTER_S, AppConfig
 from .metrics import encoder_metrics
@@ -27,9 +29,41 @@ from .model_source import cap_gpu_memory, device_and_dtype, replica_id, resolve_
 from .protocol import Wire, from_wire, to_wire
 
 
-def _views(requests: list[Wire]) -> int:
-    """Views in a batch of requests (a global view is [3, S, S], crops [P, 3, 640, 640])."""
-    return sum(1 if r[0].ndim == 3 else r[0].shape[0] for r in requests)
+# What a request asks for: its views as sent (a global view [3, S, S], or crops [P, 3, 640,
+# 640]) with `view` None; or decoded pixels [C, H, W] with `view` = (path, mode, grid), from
+# which this replica makes its path's views (views_on_encoder).
+ViewSpec = tuple[str, str, tuple[int, int]]
+Request = tuple[Wire, ViewSpec | None]
+
+
+def _views(requests: list[Request]) -> int:
+    """Views in a batch of requests (the batch size Serve counts)."""
+    def count(request: Request) -> int:
+        (array, _), view = request
+        if view is not None:
+            path, _, (w_tiles, h_tiles) = view
+            return 1 if path == "global" else w_tiles * h_tiles
+        return 1 if array.ndim == 3 else array.shape[0]
+    return sum(count(r) for r in requests)
+
+
+def check_view(path: str, pixels: Wire, view: ViewSpec) -> None:
+    """A ValueError naming what is wrong with a request of decoded pixels (before it joins a
+    batch, where it would fail every request of the batch)."""
+    array, dtype = pixels
+    if dtype != "uint8" or array.ndim != 3 or array.shape[0] not in (1, 3) or min(array.shape) < 1:
+        raise ValueError(f"decoded pixels must be uint8 [1 or 3, H, W], got {dtype} {array.shape}")
+    if not (isinstance(view, tuple) and len(view) == 3):
+        raise ValueError(f"view must be (path, mode, grid), got {view!r}")
+    sent_path, mode, grid = view
+    if sent_path != path:
+        raise ValueError(f"a {sent_path!r} view sent to the {path} encoder")
+    check_view_options(mode, DEFAULT_MAX_CROPS)
+    if path == "local" and not (isinstance(grid, tuple) and len(grid) == 2
+                                and all(isinstance(n, int) and n >= 1 for n in grid)
+                                and 2 <= grid[0] * grid[1] <= MAX_CROPS_LIMIT):
+        raise ValueError(f"grid must be (width tiles, height tiles) of 2..{MAX_CROPS_LIMIT} crops, "
+                         f"got {grid!r}")
 
 
 # max_queued_requests: past it, callers get BackPressureError at once (the router answers 503
@@ -62,30 +96,34 @@ class PathEncoder:
         self.startup_s = startup_phases(weights=loaded - start, graphs=time.perf_counter() - loaded)
         return engine
 
-    async def encode(self, pixels: Wire) -> Wire:
+    async def encode(self, pixels: Wire, view: ViewSpec | None = None) -> Wire:
         """GlobalEncoder: a global view [3, S, S] -> its tokens [g*(g+1), D].
-        LocalEncoder: one image's crops [P, 3, 640, 640] -> their tokens [P, 100, D]."""
-        return await self.encode_batch(pixels)
+        LocalEncoder: one image's crops [P, 3, 640, 640] -> their tokens [P, 100, D].
+        With `view` = (path, mode, grid), `pixels` are an image's decoded pixels [C, H, W]
+        and this replica makes the views first, on its device (`encoder.preprocess`)."""
+        if view is not None:
+            check_view(self.path, pixels, view)
+        return await self.encode_batch((pixels, view))
 
     # A short wait: a lone request pays it in full, while under load batches fill up anyway
     # during the previous batch's GPU work.
     @serve.batch(batch_wait_timeout_s=0.002, max_concurrent_batches=1, batch_size_fn=_views)
-    async def encode_batch(self, requests: list[Wire]) -> list[Wire]:
+    async def encode_batch(self, requests: list[Request]) -> list[Wire]:
         return await asyncio.get_running_loop().run_in_executor(self.worker, self._run_batch, requests)
 
-    def _run_batch(self, requests: list[Wire]) -> list[Wire]:
+    def _run_batch(self, requests: list[Request]) -> list[Wire]:
         self.busy_since = time.monotonic()
         try:
             return self._encode(requests)
         finally:
             self.busy_since = None
 
-    def _encode(self, requests: list[Wire]) -> list[Wire]:
+    def _encode(self, requests: list[Request]) -> list[Wire]:
         self.request_batches[len(requests)] += 1
-        pixels = [from_wire(r) for r in requests]
-        none = [None] * len(pixels)
         before, start = self.engine.stats()[self.path], time.perf_counter()
         try:
+            pixels = [self._view_pixels(*r) for r in requests]
+            none = [None] * len(pixels)
             if self.path == "global":
                 out = [to_wire(out.global_tokens) for out in self.engine.run(pixels, none)]
             else:
@@ -97,6 +135,15 @@ class PathEncoder:
         views = sum(len(p) if p.dim() == 4 else 1 for p in pixels)
         self._record((time.perf_counter() - start) * 1e3, views, before, self.engine.stats()[self.path])
         return out
+
+    def _view_pixels(self, pixels: Wire, view: ViewSpec | None):
+        """A request's views: as sent, or made here from decoded pixels (on a GPU with the
+        exact tensor resize, on a CPU with PIL: `global_view_of`, `crops_of`)."""
+        if view is None:
+            return from_wire(pixels)
+        _, mode, grid = view
+        decoded = from_wire(pixels).to(self.engine.encoder.device)
+        return global_view_of(decoded, mode) if self.path == "global" else crops_of(decoded, grid)
 
     def _record(self, ms: float, views: int, before: dict, after: dict) -> None:
         metrics, tags = encoder_metrics(), {"path": self.path}

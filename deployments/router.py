@@ -40,7 +40,7 @@ from decoder import DecoderArgs, build_prompt, load_tokenizer
 from decoder.grounding import parse_blocks, to_markdown
 from documents import DocumentError, PdfDocument, map_pages, parse_page_range
 from encoder import ImageError, assemble
-from encoder.preprocess import PendingImage, start_preprocess
+from encoder.preprocess import DecodedImage, PendingImage, decode, start_preprocess
 
 from . import openai_api
 from . import pages
@@ -169,10 +169,13 @@ def _json_field(value: str, name: str):
 @dataclass
 class _Image:
     """One image of a request: its cache key and either its sequence from the cache
-    (`cached`: (sequence, original size)) or its preprocessing under way (`pending`)."""
+    (`cached`: (sequence, original size)) or its pixels: decoded, for the encoders to make the
+    views from (`pending` a DecodedImage, views_on_encoder), or their views under way here (a
+    PendingImage)."""
     key: str | None
-    pending: PendingImage | None = None
+    pending: PendingImage | DecodedImage | None = None
     cached: tuple[torch.Tensor, tuple[int, int]] | None = None
+    decode_ms: float = 0.0  # decoding a DecodedImage took
 
     @property
     def num_tokens(self) -> int:
@@ -272,9 +275,10 @@ class Router:
                 "encoder_cache": self.cache.stats() if self.cache else None}
 
     def timings(self) -> dict:
-        """Median ms per stage over the last 1,000 requests: preprocess (until the crops are
-        ready; the global view is already encoding by then), encode (until both paths
-        answered), assemble, and the whole encoding of the request."""
+        """Median ms per stage over the last 1,000 requests: preprocess (decoding, when the
+        encoders make the views; else until the crops are ready, the global view already
+        encoding by then), encode (until both paths answered), assemble, and the whole encoding
+        of the request."""
         keys = ("preprocess_ms", "encode_ms", "assemble_ms", "total_ms")
         return {"requests": len(self.recent),
                 **{k: statistics.median(t[k] for t in self.recent) if self.recent else None
@@ -444,14 +448,18 @@ class Router:
         return ids, seqs, timings, [p.original_size for p in pending]
 
     async def _preprocess(self, images: list, options: OcrOptions) -> list["_Image"]:
-        """Each image's encoded sequence from the cache, or else: decode it and build its global
-        view on a worker thread (the event loop stays free) while the crops go on resizing on a
-        helper thread."""
+        """Each image's encoded sequence from the cache, or else, on a worker thread (the event
+        loop stays free): decode it (views_on_encoder), or decode it and build its global view
+        while the crops go on resizing on a helper thread."""
         def start(image) -> _Image:
             key = content_key(image, options.mode, options.max_crops) if self.cache else None
             cached = self.cache.get(key) if self.cache else None
             if cached is not None:
                 return _Image(key, cached=cached)
+            if self.config.views_on_encoder:
+                began = time.perf_counter()
+                decoded = decode(image, options.mode, options.max_crops)
+                return _Image(key, pending=decoded, decode_ms=(time.perf_counter() - began) * 1e3)
             return _Image(key, pending=start_preprocess(image, options.mode, options.max_crops))
         return await asyncio.gather(*(asyncio.to_thread(start, image) for image in images))
 
@@ -470,21 +478,31 @@ class Router:
         return seqs, timings
 
     async def _encode_one(self, image: "_Image", start: float):
-        """One image: its global view goes to GlobalEncoder at once, while its crops are still
-        being resized; then the crops go to LocalEncoder; then its sequence is assembled (and
-        cached). A cached image skips all of it."""
+        """One image: its global view goes to GlobalEncoder and its crops to LocalEncoder (the
+        decoded pixels to both at once, each making its views; or the global view at once and
+        the crops when resized here); then its sequence is assembled (and cached). A cached
+        image skips all of it."""
         if image.cached is not None:
             return image.cached[0], {"preprocess_ms": 0.0, "encode_ms": 0.0, "assemble_ms": 0.0}
         pending = image.pending
-        global_call = asyncio.ensure_future(
-            call_with_retry(self.global_encoder.encode, to_wire(pending.global_view)))
+        if isinstance(pending, DecodedImage):
+            pixels = to_wire(pending.pixels)
+            global_call = asyncio.ensure_future(call_with_retry(
+                self.global_encoder.encode, pixels, ("global", pending.mode, pending.grid)))
+        else:
+            global_call = asyncio.ensure_future(
+                call_with_retry(self.global_encoder.encode, to_wire(pending.global_view)))
         try:
-            item = await asyncio.to_thread(pending.result)
-            ready = time.perf_counter()
+            if isinstance(pending, DecodedImage):  # decoded (in image.decode_ms) before `start`
+                item, ready, preprocess_ms = pending, start, image.decode_ms
+                crops = (pixels, ("local", pending.mode, pending.grid))
+            else:
+                item = await asyncio.to_thread(pending.result)
+                ready = time.perf_counter()
+                preprocess_ms, crops = (ready - start) * 1e3, (to_wire(item.crops),)
             crop_tokens = None
             if item.tiled:
-                crop_tokens = from_wire(await call_with_retry(self.local_encoder.encode,
-                                                              to_wire(item.crops)))
+                crop_tokens = from_wire(await call_with_retry(self.local_encoder.encode, *crops))
             global_tokens = from_wire(await global_call)
         finally:
             global_call.cancel()  # no-op when done; frees the call if this image failed
@@ -493,7 +511,7 @@ class Router:
         assert seq.shape[0] == item.num_tokens, (seq.shape, item.num_tokens)
         if self.cache is not None:
             self.cache.put(image.key, (seq, item.original_size), seq.numel() * seq.element_size())
-        return seq, {"preprocess_ms": (ready - start) * 1e3, "encode_ms": (encoded - ready) * 1e3,
+        return seq, {"preprocess_ms": preprocess_ms, "encode_ms": (encoded - ready) * 1e3,
                      "assemble_ms": (time.perf_counter() - encoded) * 1e3}
 
     # -- HTTP -----------------------------------------------------------------------------------

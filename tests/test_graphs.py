@@ -51,6 +51,17 @@ def test_eager_engine_equals_each_image_alone_cpu(tiny_encoder):
     assert stats["local"]["real_tokens"] == 100 * (6 + 6 + 4 + 2)
 
 
+def test_views_made_on_the_device_give_the_same_sequences(tiny_encoder):
+    """encode_images decoding on the CPU and making the views with the exact tensor resize
+    (the default on a GPU) equals making them with PIL (the default on a CPU)."""
+    images = [image(w, h, i) for i, (w, h) in enumerate(MIXED[:4])]
+    on_device = DualPathEncoder(tiny_encoder, small_budgets(), max_images=3, views_on_device=True)
+    with_pil = DualPathEncoder(tiny_encoder, small_budgets(), max_images=3)
+    assert not with_pil.views_on_device  # CPU: PIL's C loops are faster there
+    for a, b in zip(on_device.encode_images(images), with_pil.encode_images(images)):
+        assert torch.equal(a, b)
+
+
 def test_mixed_modes_are_planned_per_view_size(tiny_encoder):
     items = [preprocess(image(900, 700, 1), mode="tiny"), preprocess(image(1191, 1684, 2)),
              preprocess(image(900, 700, 3), mode="large")]

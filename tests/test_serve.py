@@ -163,16 +163,39 @@ def test_handle_errors_name_the_problem(handle):
         handle.ocr.remote(b"not an image").result(timeout_s=60)
 
 
-def test_encode_only_app(handle):
+def test_encode_only_app_with_views_made_by_the_router(handle):
+    """views_on_encoder=false (routers resize with PIL, the reference path) gives the same
+    sequences as the default (routers decode, the encoders make the views)."""
     from deployments.app import build
-    encode_only = serve.run(build(AppConfig(encode_only=True)), name="encode-only", route_prefix="/enc")
+    config = AppConfig(encode_only=True, views_on_encoder=False)
+    encode_only = serve.run(build(config), name="encode-only", route_prefix="/enc")
     try:
-        (seq,) = encode_only.encode.remote(picture((1400, 700), 3)).result(timeout_s=300)
-        assert seq.shape[0] == 483
+        for size, seed in [((1400, 700), 3), ((448, 448), 4)]:
+            (seq,) = encode_only.encode.remote(picture(size, seed)).result(timeout_s=300)
+            (expected,) = handle.encode.remote(picture(size, seed)).result(timeout_s=300)
+            assert seq.shape[0] == {(1400, 700): 483, (448, 448): 273}[size]
+            assert torch.equal(seq, expected)
         with pytest.raises(Exception, match="encode-only"):
             encode_only.ocr.remote(picture((64, 64), 1)).result(timeout_s=60)
     finally:
         serve.delete("encode-only")
+
+
+def test_encoders_refuse_bad_decoded_requests_alone(handle):
+    """A malformed request of decoded pixels fails by itself, named, before it joins a batch."""
+    from deployments.protocol import to_wire
+    local = serve.get_deployment_handle("LocalEncoder", APP)
+    pixels = to_wire(torch.zeros(1, 700, 1400, dtype=torch.uint8))
+    for view, message in [(("global", "gundam", (2, 1)), "'global' view sent to the local"),
+                          (("local", "huge", (2, 1)), "unknown mode"),
+                          (("local", "gundam", (1, 1)), "grid must be")]:
+        with pytest.raises(Exception, match=message):
+            local.encode.remote(pixels, view).result(timeout_s=60)
+    with pytest.raises(Exception, match="decoded pixels must be"):
+        local.encode.remote(to_wire(torch.zeros(2, 64, 64, dtype=torch.uint8)),
+                            ("local", "gundam", (2, 1))).result(timeout_s=60)
+    tokens = local.encode.remote(pixels, ("local", "gundam", (2, 1))).result(timeout_s=300)
+    assert tokens[0].shape[:2] == (2, 100)
 
 
 def test_readme_handle_example_runs_from_a_second_process(handle, tmp_path):
