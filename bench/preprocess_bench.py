@@ -1,12 +1,14 @@
-"""CPU time of the router's preprocessing per page: grey pages resized as one channel or three.
+"""CPU time of the router's preprocessing per page: decoding only (the encoders make the views,
+views_on_encoder), or the views made with PIL, grey pages resized as one channel or three.
 
     python bench/preprocess_bench.py [--out bench/results] [--reps 20]
 
 Runs on any machine (no GPU). Pages as the router receives them (encoded bytes): the e2e
 bench's A4 text page (1191x1684, an "L" PNG), the same page saved as RGB, and a colour page of
 the same size (where the grey check must decline). `preprocess(page, grey=...)` end to end
-(decode, EXIF, global view, 2x3 crops), the median of `reps` runs each, the two variants
-interleaved. Writes preprocess-<date>.json with a top-level `summary`.
+(decode, EXIF, global view, 2x3 crops), and `decode(page)` (what a router does when the
+encoders make the views), the median of `reps` runs each, the variants interleaved. Writes
+preprocess-<date>.json with a top-level `summary`.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from PIL import Image
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import RESULTS, write_result  # noqa: E402
 from bench.e2e_bench import page_png  # noqa: E402
-from encoder.preprocess import preprocess  # noqa: E402
+from encoder.preprocess import decode, preprocess  # noqa: E402
 
 
 def png(image: Image.Image) -> bytes:
@@ -53,23 +55,29 @@ def main(argv=None):
              "colour_png": colour_page()}
     rows = {}
     for name, data in pages.items():
-        times = {True: [], False: []}
-        for grey in (True, False):
-            preprocess(data, grey=grey)  # warm-up (thread pool, caches)
+        variants = {"one_channel": lambda: preprocess(data), "three_channels":
+                    lambda: preprocess(data, grey=False), "decode_only": lambda: decode(data)}
+        times = {key: [] for key in variants}
+        for fn in variants.values():
+            fn()  # warm-up (thread pool, caches)
         for _ in range(opts.reps):
-            for grey in (True, False):
+            for key, fn in variants.items():
                 start = time.perf_counter()
-                preprocess(data, grey=grey)
-                times[grey].append((time.perf_counter() - start) * 1e3)
-        fast, reference = statistics.median(times[True]), statistics.median(times[False])
-        rows[name] = {"one_channel_ms": fast, "three_channels_ms": reference, "speedup": reference / fast}
-        print(f"{name}: {fast:.1f} ms one channel, {reference:.1f} ms three ({reference / fast:.2f}x)", flush=True)
+                fn()
+                times[key].append((time.perf_counter() - start) * 1e3)
+        row = {f"{key}_ms": statistics.median(t) for key, t in times.items()}
+        row["speedup"] = row["three_channels_ms"] / row["one_channel_ms"]
+        row["decode_only_speedup"] = row["one_channel_ms"] / row["decode_only_ms"]
+        rows[name] = row
+        print(f"{name}: {row['one_channel_ms']:.1f} ms one channel, {row['three_channels_ms']:.1f} ms "
+              f"three ({row['speedup']:.2f}x); decode only {row['decode_only_ms']:.1f} ms", flush=True)
     write_result(opts.out, "preprocess", {
         "benchmark": "router preprocessing per page (CPU)", "date": datetime.date.today().isoformat(),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "reps": opts.reps, "pages": "1191x1684: text page (L), the same as RGB, a colour page",
         "summary": {f"{name}_speedup": row["speedup"] for name, row in rows.items()}
-        | {f"{name}_ms": row["one_channel_ms"] for name, row in rows.items()},
+        | {f"{name}_ms": row["one_channel_ms"] for name, row in rows.items()}
+        | {f"{name}_decode_only_ms": row["decode_only_ms"] for name, row in rows.items()},
         "rows": rows})
 
 

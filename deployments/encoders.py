@@ -92,7 +92,8 @@ class PathEncoder:
         encoder = load_encoder(directory, device=device, dtype=dtype)
         loaded = time.perf_counter()
         engine = DualPathEncoder(encoder, max_images=config.max_images, use_graphs=config.use_graphs,
-                                 max_graph_memory_gb=config.max_graph_memory_gb, paths=(self.path,))
+                                 max_graph_memory_gb=config.max_graph_memory_gb, paths=(self.path,),
+                                 compile=config.compile_encoder)
         self.startup_s = startup_phases(weights=loaded - start, graphs=time.perf_counter() - loaded)
         return engine
 

@@ -218,7 +218,10 @@ class Router:
         self.newline, self.separator = specials["model.image_newline"], specials["model.view_seperator"]
         # Encode-only apps need no tokenizer (and their checkpoints may carry none).
         self.tokenizer = load_tokenizer(directory if config.checkpoint else None) if decoder else None
-        self.max_len = config.max_len or DecoderArgs.from_config(read_config(directory)).max_positions
+        # The decoder's context bounds prompts; encode-only apps have none (and an encoder-only
+        # checkpoint has no language config).
+        self.max_len = (config.max_len or DecoderArgs.from_config(read_config(directory)).max_positions
+                        if decoder else None)
         self.recent: deque[dict] = deque(maxlen=1000)  # per-request stage timings
         self.cache = EncodedCache(config.encoder_cache_mb << 20) if config.encoder_cache_mb else None
         self.inflight = 0  # HTTP requests being worked on (admission control)

@@ -3,7 +3,8 @@
 `bench/scaleout_bench.py --smoke` runs every phase of the scale-out benchmark (two layouts at
 rising concurrency, the autoscaling load step) with the tiny model on a local Ray cluster;
 `bench/e2e_bench.py --smoke` `serve run`s the CPU config with the bench's overrides and sends
-pages over HTTP at two concurrencies."""
+pages over HTTP at two concurrencies; `bench/serve_bench.py --smoke` runs the in-process and
+Serve encode paths with the tiny model on CPU."""
 import json
 import os
 import subprocess
@@ -46,3 +47,15 @@ def test_e2e_bench_smoke(tmp_path):
                for row in result["concurrency"].values())
     decoder = result["tiers"]["Decoder"]
     assert decoder["max_batch"] == 256 and decoder["kv_cache_tokens"] > 0  # the defaults: paged
+
+
+def test_serve_bench_smoke(tmp_path):
+    """Both variants (encoders make the views; routers make them with PIL) run through Serve
+    and their ratios are reported per repetition's median."""
+    result = run_smoke("serve_bench.py", "serve", tmp_path)
+    summary = result["summary"]
+    assert summary["smoke"] is True and summary["variants_run"] == ["shared", "shared-router-views"]
+    for variant in result["variants"].values():
+        assert len(variant["reps"]) == 3 and all(r["p50_ms"] > 0 for r in variant["reps"])
+        assert variant["router_stages_p50_ms"]["preprocess_ms"] > 0  # the cache is off: every page encoded
+    assert [v["views_on_encoder"] for v in result["variants"].values()] == [True, False]

@@ -53,8 +53,9 @@ def test_encoder_replica_reports_a_cuda_fault_to_its_health_check(monkeypatch):
     from deployments.encoders import PathEncoder
     encoder = PathEncoder.func_or_class("global", AppConfig())
     asyncio.run(encoder.check_health())  # healthy
-    view = (np.zeros((3, 1024, 1024), np.uint8), "uint8")
-    assert encoder._run_batch([view, view])[0][0].shape[0] == 272  # a real batch runs
+    view = ((np.zeros((3, 1024, 1024), np.uint8), "uint8"), None)  # a global view, as sent
+    decoded = ((np.zeros((1, 700, 500), np.uint8), "uint8"), ("global", "gundam", (1, 2)))
+    assert [r[0].shape[0] for r in encoder._run_batch([view, decoded])] == [272, 272]  # a real batch runs
 
     def cuda_fault(*args):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")

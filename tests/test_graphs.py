@@ -97,9 +97,9 @@ def through_deployments(replicas, items):
     """Every image's views as one batch of requests to each deployment, assembled."""
     from deployments.protocol import from_wire, to_wire
     global_replica, local_replica = replicas
-    global_tokens = global_replica._run_batch([to_wire(it.global_view) for it in items])
+    global_tokens = global_replica._run_batch([(to_wire(it.global_view), None) for it in items])
     tiled = [it for it in items if it.tiled]
-    crop_tokens = iter(local_replica._run_batch([to_wire(it.crops) for it in tiled]))
+    crop_tokens = iter(local_replica._run_batch([(to_wire(it.crops), None) for it in tiled]))
     enc = global_replica.engine.encoder  # the router holds these two on CPU, as here
     newline, separator = enc.image_newline.cpu(), enc.view_seperator.cpu()
     return [assemble(from_wire(g), from_wire(next(crop_tokens)) if it.tiled else None, it.grid,
@@ -242,3 +242,13 @@ def test_deployments_plan_and_replay_like_the_in_process_engine(tmp_path):
             assert a[key] == b[key], (path, key)
     for s, e in zip(served, expected):
         torch.testing.assert_close(s, e.cpu(), rtol=0.016, atol=0.016)
+
+
+@pytest.mark.gpu
+def test_compiled_graphs_equal_eager(cuda_engine):
+    """compile=True (torch.compile before capture, AppConfig.compile_encoder) against eager."""
+    budgets = (PathBudgets.geometric("global", 272, 2), PathBudgets.geometric("local", 100, 6))
+    compiled = DualPathEncoder(cuda_engine.encoder, budgets, max_images=2, compile=True)
+    items = [preprocess(image(w, h, i)) for i, (w, h) in enumerate([(1191, 1684), (448, 448)])]
+    for g, e in zip(compiled.encode(items), eager_reference(cuda_engine.encoder, items)):
+        torch.testing.assert_close(g, e, rtol=0.016, atol=0.016)
