@@ -66,6 +66,10 @@ class KVCache:
     def pages_in_use(self) -> int:
         return self.num_pages - len(self._free)
 
+    def holds(self, row: int, tokens: int) -> bool:
+        """Whether `row` already has pages for its first `tokens` positions."""
+        return pages_for(tokens) <= len(self._pages[row])
+
     def reserve(self, row: int, tokens: int) -> bool:
         """Give `row` pages for its first `tokens` positions; False (nothing taken) when the free
         pages do not suffice."""
