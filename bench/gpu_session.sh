@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU measurements of issue 14 in four calls of under ten minutes each, on one H200.
+#
+#   bash bench/gpu_session.sh encoder   # GPU tests (encoder, views, decoder), graph_bench
+#   bash bench/gpu_session.sh compile   # compile_bench --all_budgets twice (cold, warm cache)
+#   bash bench/gpu_session.sh serve     # serve_bench (needs the Ray bundle)
+#   bash bench/gpu_session.sh e2e       # e2e_bench (needs the Ray bundle)
+#
+# Results go to $OUT (the device tool brings them back) or bench/results. The Ray bundle and
+# wheels travel as .devpkgs/ray-site.tar.xz and .whl/ (../shared/device/build-ray-bundle).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-bench/results}"
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+
+ray_bundle() {
+  mkdir -p /tmp/site
+  tar -xJf .devpkgs/ray-site.tar.xz -C /tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH"
+}
+
+case "${1:?phase: encoder, compile, serve or e2e}" in
+  encoder)
+    python3 -m pytest -q -m gpu tests/test_resize.py tests/test_graphs.py tests/test_attention.py \
+      tests/test_engine.py tests/test_decoder_model.py tests/test_sampling.py 2>&1 | tee "$out/gpu-tests.txt" | tail -5 \
+      || echo "GPU TESTS FAILED (see gpu-tests.txt)"
+    python3 bench/graph_bench.py --out "$out" 2>&1 | tail -30
+    ;;
+  compile)
+    export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+    mkdir -p "$out/cold" "$out/warm"
+    python3 bench/compile_bench.py --all_budgets 1 --out "$out/cold" 2>&1 | tail -8
+    python3 bench/compile_bench.py --all_budgets 1 --out "$out/warm" 2>&1 | tail -8
+    ;;
+  serve)
+    ray_bundle
+    python3 bench/serve_bench.py --out "$out" 2>&1 | grep -v " INFO \| WARNING " | tail -40
+    ;;
+  e2e)
+    ray_bundle
+    python3 bench/e2e_bench.py --out "$out" 2>&1 | tail -40
+    ;;
+  *)
+    echo "unknown phase $1" >&2
+    exit 2
+    ;;
+esac
