@@ -5,8 +5,8 @@ from .checkpoint import load_encoder, random_encoder, write_random_checkpoint
 from .config import EncoderArgs
 from .graphs import DualPathEncoder, PathTokens
 from .model import DeepEncoder, assemble
-from .preprocess import ImageError, PreprocessedImage, preprocess
+from .preprocess import DecodedImage, ImageError, PreprocessedImage, decode, preprocess, views_of
 
-__all__ = ["CheckpointError", "DeepEncoder", "DualPathEncoder", "EncoderArgs", "ImageError",
-           "PathTokens", "PreprocessedImage", "assemble", "load_encoder", "preprocess",
-           "random_encoder", "write_random_checkpoint"]
+__all__ = ["CheckpointError", "DecodedImage", "DeepEncoder", "DualPathEncoder", "EncoderArgs",
+           "ImageError", "PathTokens", "PreprocessedImage", "assemble", "decode", "load_encoder",
+           "preprocess", "random_encoder", "views_of", "write_random_checkpoint"]
