@@ -81,7 +81,7 @@ def _resample(x: torch.Tensor, dim: int, out_size: int) -> torch.Tensor:
     parts = []
     for start in range(0, x.shape[other], step):
         part = x.narrow(other, start, min(step, x.shape[other] - start))
-        taps = part.index_select(dim, index.reshape(-1)).int()
+        taps = part.index_select(dim, index.reshape(-1))  # uint8; * int32 weights promotes
         if dim == 2:  # [C, h, out * k] -> [C, h, out, k]
             total = (taps.view(*taps.shape[:2], out_size, ksize) * weights).sum(-1, dtype=torch.int32)
         else:  # [C, out * k, w] -> [C, out, k, w]
