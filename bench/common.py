@@ -1,4 +1,5 @@
-"""Timing and result-writing helpers shared by the benchmark scripts (CUDA only)."""
+"""Timing and result-writing helpers shared by the benchmark scripts (CUDA, except the wall
+clock helpers, which also time CPU smoke runs)."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +7,7 @@ import json
 import os
 import re
 import statistics
+import time
 
 import torch
 
@@ -27,6 +29,26 @@ def options(argv=None, iters: int | None = None, **extra) -> argparse.Namespace:
     opts = parser.parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     return opts
+
+
+def sync() -> None:
+    """Wait for the GPU, where there is one (CPU smoke runs have none)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def wall_ms(fn, iters: int, warmup: int = 3) -> float:
+    """Median wall-clock ms of `fn` (the device synced after each call) after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def time_ms(fn, iters: int, warmup: int = 3) -> float:
@@ -51,6 +73,13 @@ def graph_replay_ms(fn, iters: int) -> float:
     del graph
     torch.cuda.empty_cache()
     return ms
+
+
+def compiled_replay_ms(call, iters: int) -> tuple[float, float]:
+    """(seconds of the first call, which compiles; graph-replay ms) of a torch.compile'd call."""
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start, graph_replay_ms(call, iters)
 
 
 def profile_step(fn, iters: int = 10) -> dict:

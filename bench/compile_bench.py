@@ -21,8 +21,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import options, rel_err, write_result  # noqa: E402
-from bench.graph_bench import SIZES, image, on_gpu, wall_ms  # noqa: E402
+from bench.common import options, rel_err, wall_ms, write_result  # noqa: E402
+from bench.graph_bench import SIZES, image, on_gpu  # noqa: E402
 from encoder import EncoderArgs, preprocess  # noqa: E402
 from encoder.checkpoint import random_encoder  # noqa: E402
 from encoder import DualPathEncoder  # noqa: E402

@@ -21,14 +21,12 @@ import dataclasses
 import datetime
 import os
 import random
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import options, rel_err, write_result  # noqa: E402
+from bench.common import options, rel_err, wall_ms, write_result  # noqa: E402
 from encoder import EncoderArgs, preprocess  # noqa: E402
 from encoder.checkpoint import random_encoder  # noqa: E402
 from encoder.flops import view_flops  # noqa: E402
@@ -53,19 +51,6 @@ def image(size, seed):
     gen = torch.Generator().manual_seed(seed)
     noise = torch.randint(0, 256, (size[1] // 8, size[0] // 8, 3), dtype=torch.uint8, generator=gen)
     return Image.fromarray(noise.numpy()).resize(size)
-
-
-def wall_ms(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def on_gpu(item):

@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import graph_replay_ms, print_profile, profile_step  # noqa: E402
+from bench.common import compiled_replay_ms, print_profile, profile_step  # noqa: E402
 from decoder.checkpoint import random_decoder  # noqa: E402
 from decoder.config import DecoderArgs  # noqa: E402
 from decoder.kv_cache import KVCache, pages_for  # noqa: E402
@@ -53,10 +52,8 @@ def main(argv=None):
             if opts.compile:
                 compiled = torch.compile(model)
                 fn = lambda: compiled(input_ids=tokens, positions=positions[:, None], step=step)  # noqa: E731
-                start = time.perf_counter()
-                fn()
-                compile_s = time.perf_counter() - start
-                print(f"batch {batch}: compiled step replay {graph_replay_ms(fn, 20):.2f} ms "
+                compile_s, replay_ms = compiled_replay_ms(fn, 20)
+                print(f"batch {batch}: compiled step replay {replay_ms:.2f} ms "
                       f"(compile {compile_s:.0f} s)", flush=True)
         print_profile(f"batch {batch}, context {opts.context}, {kernel} attention", result, opts.rows)
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import graph_replay_ms, print_profile, profile_step  # noqa: E402
+from bench.common import compiled_replay_ms, print_profile, profile_step  # noqa: E402
 from encoder import EncoderArgs  # noqa: E402
 from encoder.checkpoint import random_encoder  # noqa: E402
 
@@ -42,11 +41,8 @@ def main(argv=None):
                 result = profile_step(lambda: forward(views))
                 if opts.compile:
                     compiled = torch.compile(forward)
-                    start = time.perf_counter()
-                    compiled(views)
-                    compile_s = time.perf_counter() - start
-                    print(f"{path} x{n} {impl}: compiled graph replay "
-                          f"{graph_replay_ms(lambda: compiled(views), 10):.2f} ms "
+                    compile_s, replay_ms = compiled_replay_ms(lambda: compiled(views), 10)
+                    print(f"{path} x{n} {impl}: compiled graph replay {replay_ms:.2f} ms "
                           f"(compile {compile_s:.0f} s)", flush=True)
             print_profile(f"{path} path, {n} views of {size}², {impl} attention", result, opts.rows)
 

@@ -30,7 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import RESULTS, write_result  # noqa: E402
+from bench.common import RESULTS, sync, wall_ms, write_result  # noqa: E402
 from bench.e2e_bench import page_png  # noqa: E402
 from encoder import EncoderArgs, load_encoder, preprocess, write_random_checkpoint  # noqa: E402
 from encoder import DualPathEncoder  # noqa: E402
@@ -39,25 +39,6 @@ TARGETS = {"latency_ratio_p50": 1.25, "throughput_ratio_c64_vs_encode_only": 0.8
 # The run's sizes; --smoke shrinks them (tiny model on CPU, one small router).
 PAGES, ROUTERS, ROUTER_CPUS, ENCODER_CPUS = 64, 4, 2, 2
 ITERS, WARMUP = 30, 5  # p50 of 30 calls after 5 warm-ups, per repetition
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def wall_ms(fn, iters: int, warmup: int) -> float:
-    """Median wall ms of `fn` (device synced) after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def pages_per_s(fn) -> float:

@@ -23,6 +23,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageChops, ImageOps
 
+from .resize import resize
+from .resize import supported as resize_supported
+
 __all__ = [
     "CROP_SIZE",
     "DecodedImage",
@@ -405,26 +408,25 @@ def start_preprocess(
     """Like `preprocess`, but returns once the global view is built; the crops follow.
     `grey`: resize a grey image (R == G == B at every pixel: scans, rendered text) as one
     channel, the same pixels for about half the CPU; False: always three (the reference)."""
-    img, view_mode, grid = _decode(image, mode, max_crops, max_pixels, grey)
-    size = view_mode.base_size
+    img, view_mode, grid, num_tokens = _decode(image, mode, max_crops, max_pixels, grey)
     tiles = None
     if grid != (1, 1):
         # The two resizes of a page (~30 ms each) are independent and PIL releases the GIL
         # while resampling: tile on a helper thread while this one builds the global view.
         tiles = _resize_threads().submit(_tile, img, grid)
-    global_img = _pad_to_square(img, size) if view_mode.pad else _stretch_to_square(img, size)
     return PendingImage(
-        global_view=_to_chw_uint8(global_img),
+        global_view=_pil_global_view(img, view_mode),
         grid=grid,
-        num_tokens=count_tokens(grid, base_size=size, crop_size=CROP_SIZE),
+        num_tokens=num_tokens,
         mode=mode,
         original_size=img.size,
         crops=tiles,
     )
 
 
-def _decode(image, mode, max_crops, max_pixels, grey) -> tuple[Image.Image, ViewMode, tuple[int, int]]:
-    """The decoded image ("L" when grey and `grey`, else "RGB"), its view mode and its grid."""
+def _decode(image, mode, max_crops, max_pixels, grey) -> tuple[Image.Image, ViewMode, tuple[int, int], int]:
+    """The decoded image ("L" when grey and `grey`, else "RGB"), its view mode, its grid and
+    its token count."""
     view_mode = check_view_options(mode, max_crops)
     img = _load(image, max_pixels, keep_grey=grey)
     if grey and img.mode == "RGB":
@@ -432,7 +434,7 @@ def _decode(image, mode, max_crops, max_pixels, grey) -> tuple[Image.Image, View
     grid = (1, 1)
     if view_mode.crop and (img.width > CROP_SIZE or img.height > CROP_SIZE):
         grid = choose_grid(img.width, img.height, max_crops)
-    return img, view_mode, grid
+    return img, view_mode, grid, count_tokens(grid, base_size=view_mode.base_size, crop_size=CROP_SIZE)
 
 
 # ---------------------------------------------------------------------------
@@ -464,14 +466,12 @@ def decode(
     grey: bool = True,
 ) -> DecodedImage:
     """Decode ``image`` (as `preprocess`, same errors) without building any view."""
-    img, view_mode, grid = _decode(image, mode, max_crops, max_pixels, grey)
+    img, _, grid, num_tokens = _decode(image, mode, max_crops, max_pixels, grey)
     if img.mode == "L":
         pixels = np.array(img, dtype=np.uint8)[None]  # np.array: a writable copy
     else:
         pixels = np.ascontiguousarray(np.asarray(img, dtype=np.uint8).transpose(2, 0, 1))
-    return DecodedImage(torch.from_numpy(pixels), grid,
-                        count_tokens(grid, base_size=view_mode.base_size, crop_size=CROP_SIZE),
-                        mode, img.size)
+    return DecodedImage(torch.from_numpy(pixels), grid, num_tokens, mode, img.size)
 
 
 def global_view_of(pixels: torch.Tensor, mode: str = "gundam", exact: bool | None = None) -> torch.Tensor:
@@ -482,9 +482,7 @@ def global_view_of(pixels: torch.Tensor, mode: str = "gundam", exact: bool | Non
     view_mode = MODES[mode]
     size = view_mode.base_size
     if not _use_exact(pixels, exact):
-        img = _pil_image(pixels)
-        return _to_chw_uint8(_pad_to_square(img, size) if view_mode.pad else _stretch_to_square(img, size))
-    from .resize import resize
+        return _pil_global_view(_pil_image(pixels), view_mode)
     if not view_mode.pad:
         return _three_channels(resize(pixels, (size, size)))
     width, height = pixels.shape[2], pixels.shape[1]
@@ -506,8 +504,7 @@ def global_view_of(pixels: torch.Tensor, mode: str = "gundam", exact: bool | Non
 
 def _use_exact(pixels: torch.Tensor, exact: bool | None) -> bool:
     if exact is None:
-        from .resize import supported
-        return pixels.device.type == "cuda" and supported()
+        return pixels.device.type == "cuda" and resize_supported()
     return exact
 
 
@@ -531,7 +528,6 @@ def crops_of(pixels: torch.Tensor, grid: tuple[int, int], exact: bool | None = N
     `preprocess(...).crops` (resize to the grid, row-major tiles); `exact` as global_view_of."""
     if not _use_exact(pixels, exact):
         return _tile(_pil_image(pixels), grid).to(pixels.device)
-    from .resize import resize
     w_tiles, h_tiles = grid
     resized = resize(pixels, (CROP_SIZE * w_tiles, CROP_SIZE * h_tiles))
     c = resized.shape[0]
@@ -602,6 +598,12 @@ def _pad_to_square(img: Image.Image, size: int) -> Image.Image:
 
 def _stretch_to_square(img: Image.Image, size: int) -> Image.Image:
     return img.resize((size, size), Image.BICUBIC)
+
+
+def _pil_global_view(img: Image.Image, view_mode: ViewMode) -> torch.Tensor:
+    """The global view [3, S, S] by PIL: padded (grey) or stretched to the mode's square."""
+    size = view_mode.base_size
+    return _to_chw_uint8(_pad_to_square(img, size) if view_mode.pad else _stretch_to_square(img, size))
 
 
 def _tile(img: Image.Image, grid: tuple[int, int]) -> torch.Tensor:
