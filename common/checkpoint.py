@@ -51,8 +51,11 @@ def checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
     raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path!r}")
 
 
-def read_tensors(path, keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
-    """Read the tensors whose keys pass `keep`, opening each shard once."""
+def read_tensors(path, keep: Callable[[str], bool], device="cpu",
+                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Read the tensors whose keys pass `keep`, opening each shard once; each goes to `device`
+    (floating-point ones to `dtype` too) as it is read, so a GPU load holds one tensor at a time
+    on the host and packs its weights on the device (decoder/checkpoint.py), not in CPU memory."""
     by_file: dict[str, list[str]] = {}
     for key, file in checkpoint_files(path).items():
         if keep(key):
@@ -64,7 +67,9 @@ def read_tensors(path, keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
             absent = [k for k in keys if k not in present]
             if absent:
                 raise CheckpointError(_listing(f"keys listed in the index are not in {file}", absent))
-            tensors.update((k, f.get_tensor(k)) for k in keys)
+            for k in keys:
+                t = f.get_tensor(k)
+                tensors[k] = t.to(device=device, dtype=dtype if t.is_floating_point() and dtype else t.dtype)
     return tensors
 
 

@@ -30,9 +30,9 @@ def _is_vision_key(key: str) -> bool:
 def load_encoder(path: str | os.PathLike, device="cpu", dtype=torch.float32) -> DeepEncoder:
     """Build the vision encoder from a checkpoint directory (released layout) in eval mode."""
     args = EncoderArgs.from_config(read_config(path))
-    tensors = read_tensors(path, _is_vision_key)
+    tensors = read_tensors(path, _is_vision_key, device)  # dtype later: position_ids are integers
     position_ids = tensors.pop(POSITION_IDS, None)
-    if position_ids is not None and not torch.equal(position_ids.flatten().long(),
+    if position_ids is not None and not torch.equal(position_ids.flatten().long().cpu(),
                                                     torch.arange(position_ids.numel())):
         raise CheckpointError(f"checkpoint {os.fspath(path)}: {POSITION_IDS} is not 0..N-1")
     check_state_dict(tensors, vision_shapes(args), os.fspath(path))

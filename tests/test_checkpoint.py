@@ -158,3 +158,20 @@ def test_bad_config(tmp_path, tiny_args):
     json.dump({"model_type": "deepseek_vl_v2"}, open(os.path.join(path, "config.json"), "w"))
     with pytest.raises(ValueError, match="lacks vision_config"):
         load_encoder(path)
+
+
+@pytest.mark.gpu
+def test_loads_onto_the_gpu_equal_loads_on_the_cpu(tmp_path):
+    """Both halves read straight onto the GPU (the decoder packs its experts there) hold the
+    same weights as a CPU load moved over."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from decoder import load_decoder
+    from deployments.model_source import write_random_model
+    path = write_random_model(tmp_path / "ckpt")
+    for load in (load_encoder, load_decoder):
+        on_gpu = load(path, device="cuda", dtype=torch.bfloat16).state_dict()
+        on_cpu = load(path, device="cpu", dtype=torch.bfloat16).state_dict()
+        assert on_gpu.keys() == on_cpu.keys()
+        for key, value in on_cpu.items():
+            assert on_gpu[key].is_cuda and torch.equal(on_gpu[key].cpu(), value), key
