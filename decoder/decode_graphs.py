@@ -29,9 +29,12 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 38
 # The reference (gathered) attention reads a bucket's whole length (masked past each row's
 # position), and at 64 sequences reading keys and values costs about as much as reading the
 # weights: its buckets stay within 1.25-1.5x of each other. The paged kernel reads each row's own
-# pages whatever the bucket, which only sets how the context is split across programs.
+# pages whatever the bucket, which only sets how many split programs are launched (those past a
+# row's position return at once): two buckets, one for a page's OCR (a ~1,000-token prompt and
+# up to ~1,000 generated) and the context limit, halve the graphs a replica captures at start-up
+# (28 instead of 56 at 256 sequences, ~0.1 s each on an H200).
 CONTEXT_BUCKETS = (512, 768, 1024, 1280, 1536, 2048, 3072, 4096, 6144, 8192)
-KERNEL_CONTEXT_BUCKETS = (1024, 2048, 4096, 8192)
+KERNEL_CONTEXT_BUCKETS = (2048, 8192)
 
 
 def buckets(candidates, limit: int) -> list[int]:
