@@ -98,7 +98,7 @@ def profile_step(fn, iters: int = 10) -> dict:
 # Kernel families by name (first match wins), for the per-family totals of print_profile.
 KERNEL_FAMILIES = (
     ("relpos attention (ours)", r"_relpos_attention_fwd"),
-    ("paged attention (ours)", r"paged|_combine"),
+    ("paged attention (ours)", r"paged|_split_kernel|_combine_kernel"),
     ("flash / sdpa attention", r"flash|fmha|attention|cutlass::Kernel"),
     ("matmul", r"gemm|nvjet|sm90_xmma|cublas|cutlass|matmul|splitK"),
     ("conv", r"conv|implicit|winograd"),

@@ -10,8 +10,9 @@ overrides below, and sends A4 document pages (1191 x 1684, text-like, each one d
 router's encoder cache never hits) as JSON over HTTP at 1, 16, 64 and 256 requests in flight,
 each generating 700 tokens (max_tokens 700; the random model does not stop early). Reports
 pages/s, generated tokens/s, p50 / p99 latency per concurrency and the cold start (from
-`serve run` to the first answered page). Writes e2e-<date>.json (top-level `summary`) and
-e2e-<date>.png (pages/s and p50 / p99 against concurrency).
+`serve run` to the first answered page). Writes e2e-<date>.json (top-level `summary`),
+e2e-<date>.png (pages/s and p50 / p99 against concurrency) and e2e-<date>-startup.log (`serve
+run`'s log up to the first answered page: Ray's, Serve's and each replica's start-up, timed).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import datetime
 import io
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -162,6 +164,10 @@ def main(argv=None) -> None:
     try:
         cold_start = wait_for_first_page(server, started, first_page, max_tokens, log.name)
         print(f"cold start {cold_start:.1f} s", flush=True)
+        if not opts.smoke:  # Ray's and the replicas' start-up lines, timestamped: where it went
+            log.flush()
+            shutil.copy(log.name, os.path.join(
+                opts.out, f"{opts.name}-{datetime.date.today().isoformat()}-startup.log"))
         rows = {}
         for c in levels:
             rows[str(c)] = load(pages[c], c, max_tokens)

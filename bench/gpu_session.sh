@@ -2,7 +2,7 @@
 # The GPU measurements of issue 14 in four calls of under ten minutes each, on one H200.
 #
 #   bash bench/gpu_session.sh encoder   # GPU tests (encoder, views, decoder), graph_bench
-#   bash bench/gpu_session.sh compile   # compile_bench --all_budgets twice (cold, warm cache)
+#   bash bench/gpu_session.sh compile   # compile_bench --all_budgets twice (cold, warm cache), compile test
 #   bash bench/gpu_session.sh serve     # serve_bench (needs the Ray bundle)
 #   bash bench/gpu_session.sh e2e       # e2e_bench (needs the Ray bundle)
 #
@@ -22,7 +22,8 @@ ray_bundle() {
 
 case "${1:?phase: encoder, compile, serve or e2e}" in
   encoder)
-    python3 -m pytest -q -m gpu tests/test_resize.py tests/test_graphs.py tests/test_attention.py \
+    if [ -f .devpkgs/ray-site.tar.xz ]; then ray_bundle; fi  # the deployment test needs Ray
+    python3 -m pytest -q -rs -m gpu tests/test_checkpoint.py tests/test_resize.py tests/test_graphs.py tests/test_attention.py \
       tests/test_engine.py tests/test_decoder_model.py tests/test_sampling.py 2>&1 | tee "$out/gpu-tests.txt" | tail -5 \
       || echo "GPU TESTS FAILED (see gpu-tests.txt)"
     python3 bench/graph_bench.py --out "$out" 2>&1 | tail -30
@@ -32,6 +33,8 @@ case "${1:?phase: encoder, compile, serve or e2e}" in
     mkdir -p "$out/cold" "$out/warm"
     python3 bench/compile_bench.py --all_budgets 1 --out "$out/cold" 2>&1 | tail -8
     python3 bench/compile_bench.py --all_budgets 1 --out "$out/warm" 2>&1 | tail -8
+    python3 -m pytest -q -s -m gpu tests/test_graphs.py -k compiled 2>&1 | tee "$out/gpu-tests-compile.txt" \
+      | grep "relative error\|passed\|failed" || echo "COMPILE TEST FAILED"
     ;;
   serve)
     ray_bundle
