@@ -57,7 +57,9 @@ def test_serve_bench_smoke(tmp_path):
     assert summary["smoke"] is True and summary["variants_run"] == ["shared", "shared-router-views"]
     for variant in result["variants"].values():
         assert len(variant["reps"]) == 3 and all(r["p50_ms"] > 0 for r in variant["reps"])
-        assert variant["router_stages_p50_ms"]["preprocess_ms"] > 0  # the cache is off: every page encoded
+        stages = variant["router_stages_p50_ms_one_at_a_time"]
+        assert stages["preprocess_ms"] > 0  # the cache is off: every page encoded
+        assert stages["requests"] == 3  # the smoke's 1 warm-up + 2 timed calls, none of the load
     assert [v["views_on_encoder"] for v in result["variants"].values()] == [True, False]
 
 
