@@ -69,7 +69,8 @@ def read_tensors(path, keep: Callable[[str], bool], device="cpu",
                 raise CheckpointError(_listing(f"keys listed in the index are not in {file}", absent))
             for k in keys:
                 t = f.get_tensor(k)
-                tensors[k] = t.to(device=device, dtype=dtype if t.is_floating_point() and dtype else t.dtype)
+                cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+                tensors[k] = t.to(device=device, dtype=cast)
     return tensors
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 from PIL import Image
 
+from bench.common import rel_err
 from encoder import DualPathEncoder, EncoderArgs, assemble, preprocess
 from encoder.checkpoint import random_encoder
 from encoder.graphs import PathGraphs
@@ -24,10 +25,6 @@ PAGES = [(1191, 1684), (1275, 1650), (1654, 2339), (850, 1100), (2480, 3508), (1
 
 def small_budgets():
     return (PathBudgets.geometric("global", 272, 3), PathBudgets.geometric("local", 100, 8))
-
-
-def rel_norm(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def eager_reference(enc, items):
@@ -264,6 +261,6 @@ def test_compiled_graphs_equal_eager(cuda_engine):
     fp32_twin.load_state_dict(cuda_engine.encoder.state_dict())  # same weights, upcast
     exact = eager_reference(fp32_twin, items)
     for g, e, x in zip(compiled.encode(items), eager_reference(cuda_engine.encoder, items), exact):
-        compiled_err, eager_err = rel_norm(g, x), rel_norm(e, x)
+        compiled_err, eager_err = rel_err(g, x), rel_err(e, x)
         print(f"relative error vs fp32: compiled {compiled_err:.4f}, eager {eager_err:.4f}")
         assert compiled_err <= 1.25 * eager_err + 1e-3
