@@ -5,6 +5,7 @@
 #   bash bench/gpu_session.sh compile   # compile_bench --all_budgets twice (cold, warm cache), compile test
 #   bash bench/gpu_session.sh serve     # serve_bench (needs the Ray bundle)
 #   bash bench/gpu_session.sh e2e       # e2e_bench (needs the Ray bundle)
+#   bash bench/gpu_session.sh startup   # e2e_bench's cold start and one page alone only (~2 min)
 #
 # Results go to $OUT (the device tool brings them back) or bench/results. The Ray bundle and
 # wheels travel as .devpkgs/ray-site.tar.xz and .whl/ (../shared/device/build-ray-bundle).
@@ -20,7 +21,7 @@ ray_bundle() {
   export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH"
 }
 
-case "${1:?phase: encoder, compile, serve or e2e}" in
+case "${1:?phase: encoder, compile, serve, e2e or startup}" in
   encoder)
     if [ -f .devpkgs/ray-site.tar.xz ]; then ray_bundle; fi  # the deployment test needs Ray
     python3 -m pytest -q -rs -m gpu tests/test_checkpoint.py tests/test_resize.py tests/test_graphs.py tests/test_attention.py \
@@ -43,6 +44,10 @@ case "${1:?phase: encoder, compile, serve or e2e}" in
   e2e)
     ray_bundle
     python3 bench/e2e_bench.py --out "$out" 2>&1 | tail -40
+    ;;
+  startup)
+    ray_bundle
+    python3 bench/e2e_bench.py --levels 1 --name e2e-startup --out "$out" 2>&1 | tail -25
     ;;
   *)
     echo "unknown phase $1" >&2
