@@ -23,7 +23,7 @@ ray_bundle() {
 
 case "${1:?phase: encoder, compile, serve, e2e or startup}" in
   encoder)
-    if [ -f .devpkgs/ray-site.tar.xz ]; then ray_bundle; fi  # the deployment test needs Ray
+    if [ -f .devpkgs/ray-site.tar.xz ] && [ -d .whl ]; then ray_bundle; fi  # the deployment test needs Ray
     python3 -m pytest -q -rs -m gpu tests/test_checkpoint.py tests/test_resize.py tests/test_graphs.py tests/test_attention.py \
       tests/test_engine.py tests/test_decoder_model.py tests/test_sampling.py 2>&1 | tee "$out/gpu-tests.txt" | tail -5 \
       || echo "GPU TESTS FAILED (see gpu-tests.txt)"
