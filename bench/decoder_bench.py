@@ -9,8 +9,9 @@ are image placeholders (a 2x3 page; embeddings random) and exactly 512 generated
 concurrency (all requests submitted together; prefills included), the median decode step,
 the prefill time of one prompt and peak memory, for the eager engine and with decode-step CUDA
 graphs, side by side. Writes <name>-<date>.json with a top-level `summary` (the decode-graph
-variant's). Variants: `eager`, `decode_graphs` (the default engine: paged-attention kernel) and
-`decode_graphs_gather` (its reference attention). `--code DIR` imports the decoder package from
+variant's). Variants: `eager`, `decode_graphs` (the default engine: paged-attention kernel),
+`decode_graphs_gather` (its reference attention) and `decode_graphs_separate` (the released q/k/v
+and gate/up projections as separate matmuls: the packed ones' reference twin). `--code DIR` imports the decoder package from
 DIR instead (an older checkout, for an A/B in one run on one machine).
 """
 from __future__ import annotations
@@ -70,7 +71,7 @@ def main(argv=None):
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--name", default="decoder")
     parser.add_argument("--variants", nargs="+", default=["eager", "decode_graphs"],
-                        choices=["eager", "decode_graphs", "decode_graphs_gather"])
+                        choices=["eager", "decode_graphs", "decode_graphs_gather", "decode_graphs_separate"])
     parser.add_argument("--code", help="import the decoder package from this directory")
     opts = parser.parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
@@ -108,6 +109,9 @@ def measure(model, tokenizer, args, embeds, max_len, variant, prefill) -> dict:
                               decode_graphs=graphs)
     if variant == "decode_graphs_gather":
         engine.cache.kernel = "gather"  # before the first step captures the graphs
+    # Older code (--code) has no packed projections to unpack.
+    if hasattr(model, "use_fused_projections"):
+        model.use_fused_projections(variant != "decode_graphs_separate")
     start = time.perf_counter()
     warm = GenerationRequest([0, 5, 6], params=SamplingParams(max_tokens=4, ignore_eos=True))
     engine.generate([warm])  # warm-up; with graphs, the first step captures them all

@@ -1,8 +1,9 @@
 """Load the language model from a released-layout checkpoint; write random ones.
 
-The released keys are used unchanged on disk. In memory the routed experts are packed (see
+The released keys are used unchanged on disk. In memory some weights are packed (see
 decoder/model.py): `experts.{e}.gate_proj` and `up_proj` rows become `gate_up_proj[e]`,
-`down_proj` becomes `down_proj[e]`. Reading, validation and writing go through
+`down_proj` becomes `down_proj[e]`; attention's `q_proj`, `k_proj`, `v_proj` rows become
+`qkv_proj`, and each MLP's `gate_proj` and `up_proj` rows its `gate_up_proj`. Reading, validation and writing go through
 `common.checkpoint` (shared with the encoder), so both halves of a checkpoint follow the same
 rules and errors.
 """
@@ -42,10 +43,17 @@ def released_shapes(args: DecoderArgs) -> dict[str, torch.Size]:
     return {k: torch.Size(v) for k, v in shapes.items()}
 
 
-def pack_experts(state: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
+def pack_released(state: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
     """Released keys (model.-prefixed) -> the Decoder module's state dict, in place: each
-    expert's tensors are dropped once packed, so memory never holds the experts twice."""
+    released tensor is dropped once packed, so memory never holds the weights twice."""
+    def pack(prefix: str, names: tuple[str, ...], packed: str) -> None:
+        state[prefix + packed] = torch.cat([state.pop(f"{prefix}{n}.weight") for n in names])
+
     for layer in range(args.n_layers):
+        p = f"model.layers.{layer}."
+        pack(p + "self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj.weight")
+        pack(p + ("mlp.shared_experts." if args.is_moe(layer) else "mlp."), ("gate_proj", "up_proj"),
+             "gate_up_proj.weight")
         if not args.is_moe(layer):
             continue
         p = f"model.layers.{layer}.mlp.experts."
@@ -66,7 +74,7 @@ def _is_language_key(key: str) -> bool:
 def load_decoder(path: str | os.PathLike, device="cpu", dtype=torch.float32) -> Decoder:
     """The language model of a checkpoint directory, in eval mode."""
     args = DecoderArgs.from_config(read_config(path))
-    # Read straight onto the device: the experts are then packed there (on a GPU, ~6 GB of
+    # Read straight onto the device: the weights are then packed there (on a GPU, ~6 GB of
     # copies at memory bandwidth instead of a host memcpy that cost seconds of start-up).
     tensors = read_tensors(path, _is_language_key, device, dtype)
     check_state_dict(tensors, released_shapes(args), os.fspath(path))
@@ -74,7 +82,7 @@ def load_decoder(path: str | os.PathLike, device="cpu", dtype=torch.float32) -> 
 
 
 def build_decoder(args: DecoderArgs, tensors: dict[str, torch.Tensor], device, dtype) -> Decoder:
-    return build_module(lambda: Decoder(args), pack_experts(tensors, args), device, dtype)
+    return build_module(lambda: Decoder(args), pack_released(tensors, args), device, dtype)
 
 
 def random_decoder(args: DecoderArgs, device="cpu", dtype=torch.float32, seed: int = 0) -> Decoder:

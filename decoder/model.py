@@ -1,10 +1,14 @@
 """DeepSeek-3B-MoE, the language model of DeepSeek-OCR (DeepSeek-V1-style MoE with plain MHA).
 
-Modules follow the released keys (`model.embed_tokens`, `model.layers.{i}.self_attn.q_proj`,
-`model.layers.{i}.mlp.gate`, `model.norm`, `lm_head`) with one exception: the routed experts are
-stored packed, `mlp.experts.gate_up_proj [E, 2I, H]` and `mlp.experts.down_proj [E, H, I]`, so
-all experts run as two grouped matmuls over tokens sorted by expert instead of a loop; the loader
-packs the released `experts.{e}.{gate,up,down}_proj` keys (decoder/checkpoint.py).
+Modules follow the released keys (`model.embed_tokens`, `model.layers.{i}.self_attn.o_proj`,
+`model.layers.{i}.mlp.gate`, `model.norm`, `lm_head`) except where weights that read the same
+input are stored packed, so one matmul does the work of several (decoder/checkpoint.py packs the
+released keys): the routed experts, `mlp.experts.gate_up_proj [E, 2I, H]` and
+`mlp.experts.down_proj [E, H, I]`, run as two grouped matmuls over tokens sorted by expert
+instead of a loop; attention's `qkv_proj [3H, H]` holds `q_proj`, `k_proj` and `v_proj`, and
+each MLP's `gate_up_proj [2I, H]` (dense and shared experts) its `gate_proj` and `up_proj`.
+`Decoder.use_fused_projections(False)` runs every packed projection as the released separate
+matmuls (the reference twin).
 Spec: DeepSeek's `modeling_deepseekv2.py` (MHA path, LlamaAttention) and MoE gate/infer.
 """
 from __future__ import annotations
@@ -57,20 +61,34 @@ class CacheStep:
     kv_len: int = 0  # decode: every position < kv_len (a static bound: the graph's context)
 
 
+def packed_linear(x, weight, parts: int, fused: bool) -> tuple[torch.Tensor, ...]:
+    """The `parts` equal row blocks of `weight` applied to x: one matmul split after (`fused`),
+    or one matmul per block, as the released separate projections run (the reference)."""
+    if fused:
+        return F.linear(x, weight).chunk(parts, dim=-1)
+    return tuple(F.linear(x, w) for w in weight.chunk(parts, dim=0))
+
+
 class Attention(nn.Module):
+    fused = True  # one q/k/v matmul and one RoPE call for q and k; False: the reference twin
+
     def __init__(self, args: DecoderArgs):
         super().__init__()
         self.n_heads, self.head_dim = args.n_heads, args.head_dim
-        self.q_proj = nn.Linear(args.hidden, args.hidden, bias=False)
-        self.k_proj = nn.Linear(args.hidden, args.hidden, bias=False)
-        self.v_proj = nn.Linear(args.hidden, args.hidden, bias=False)
+        self.qkv_proj = nn.Linear(args.hidden, 3 * args.hidden, bias=False)
         self.o_proj = nn.Linear(args.hidden, args.hidden, bias=False)
 
     def forward(self, x, cos, sin, layer: int, step: CacheStep | None):
         bsz, t, _ = x.shape
-        q, k, v = (p(x).view(bsz, t, self.n_heads, self.head_dim).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.fused:  # q's and k's heads rotated in one call, as [B, 2n, T, d]
+            qkv = F.linear(x, self.qkv_proj.weight).view(bsz, t, 3 * self.n_heads, self.head_dim)
+            qk = apply_rope(qkv[:, :, :2 * self.n_heads].transpose(1, 2), cos, sin)
+            q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
+            v = qkv[:, :, 2 * self.n_heads:].transpose(1, 2)
+        else:
+            q, k, v = (p.view(bsz, t, self.n_heads, self.head_dim).transpose(1, 2)
+                       for p in packed_linear(x, self.qkv_proj.weight, 3, False))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if step is None or step.slot is not None:  # whole sequence, causal
             if step is not None:  # rows may be right-padded: causal rows never see the pads
                 step.cache.write_prefill(layer, step.slot, k, v)
@@ -83,14 +101,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fused = True  # one gate/up matmul; False: the reference twin
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = packed_linear(x, self.gate_up_proj.weight, 2, self.fused)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Gate(nn.Module):
@@ -131,10 +151,13 @@ class Experts(nn.Module):
     def forward(self, x, weights, experts):
         """x [N, H]; weights, experts [N, k] -> sum_j weights[:, j] * expert_j(x)."""
         n, k = experts.shape
-        sorted_experts, order = experts.flatten().sort(stable=True)  # (token, choice) by expert
+        # (token, choice) by expert. Ids below 256 sort as bytes: one radix pass instead of
+        # eight for int64 (stable, so the same permutation).
+        key_dtype = torch.uint8 if self.gate_up_proj.shape[0] <= 256 else experts.dtype
+        sorted_experts, order = experts.flatten().to(key_dtype).sort(stable=True)
         # Where each expert's rows end, read off the sorted ids on the device (bincount would
         # size its output from the data and so wait on the GPU every layer).
-        expert_ids = torch.arange(self.gate_up_proj.shape[0], device=x.device)
+        expert_ids = torch.arange(self.gate_up_proj.shape[0], device=x.device, dtype=key_dtype)
         ends = torch.searchsorted(sorted_experts, expert_ids, right=True, out_int32=True)
         token = order // k
         gate, up = grouped_mm(x[token], self.gate_up_proj, ends).chunk(2, dim=-1)
@@ -199,6 +222,13 @@ class Decoder(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+    def use_fused_projections(self, on: bool = True) -> None:
+        """Each packed projection as one matmul (the default), or `False`: as the released
+        separate matmuls, the reference twin for equality tests and A/B benchmarks."""
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP)):
+                module.fused = on
 
     def embed(self, input_ids):
         return self.model.embed_tokens(input_ids)

@@ -54,12 +54,23 @@ def to_unlimited_ocr_vision(state: dict[str, torch.Tensor]) -> dict[str, torch.T
             continue  # CLIP's unused patch embedding has no counterpart
         for pattern, repl in _SAM_RULES:
             key = re.sub(pattern, repl, key)
-        if ".qkv_proj." in key:  # fused rows are q, k, v in that order
-            for name, part in zip(("q_proj", "k_proj", "v_proj"), value.chunk(3, dim=0)):
-                out[key.replace("qkv_proj", name)] = part
-        else:
-            out[key] = value
+        out |= unpack_rows(key, value)
     return out
+
+
+# Our packed Linears (weight and bias) -> the separate ones they hold, in row order.
+_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def unpack_rows(key: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One of our tensors -> the reference's: a packed Linear's tensor split into its parts
+    (`...qkv_proj.weight` -> q_proj, k_proj, v_proj), anything else as it is. The routed
+    experts' `experts.gate_up_proj` is no Linear and stays packed, as the reference packs it."""
+    for packed, names in _PACKED.items():
+        if f".{packed}." in key:
+            return {key.replace(f".{packed}.", f".{name}."): part
+                    for name, part in zip(names, value.chunk(len(names), dim=0))}
+    return {key: value}
 
 
 def unlimited_ocr_model(encoder, args: EncoderArgs):
@@ -96,9 +107,12 @@ def deepseek_ocr2_text_model(decoder):
         bos_token_id=a.bos_id, eos_token_id=a.eos_id)
     config._attn_implementation = "eager"
     model = mod.DeepseekOcr2TextModel(config).eval()
-    # Their experts are packed like ours (gate_up_proj = cat(gate, up), down_proj); keys lose
-    # the leading "model." and lm_head stays with us.
-    state = {k.removeprefix("model."): v.float() for k, v in decoder.state_dict().items()
-             if k != "lm_head.weight"}
+    # Their routed experts are packed like ours (gate_up_proj = cat(gate, up), down_proj), their
+    # attention and MLP projections are not; keys lose the leading "model." and lm_head stays
+    # with us.
+    state = {}
+    for key, value in decoder.state_dict().items():
+        if key != "lm_head.weight":
+            state |= unpack_rows(key.removeprefix("model."), value.float())
     model.load_state_dict(state, strict=True)
     return model
