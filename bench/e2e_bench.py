@@ -10,7 +10,8 @@ overrides below, and sends A4 document pages (1191 x 1684, text-like, each one d
 router's encoder cache never hits) as JSON over HTTP at 1, 16, 64 and 256 requests in flight,
 each generating 700 tokens (max_tokens 700; the random model does not stop early). Reports
 pages/s, generated tokens/s, p50 / p99 latency per concurrency and the cold start (from
-`serve run` to the first answered page). Writes e2e-<date>.json (top-level `summary`),
+`serve run` to the first answered page; `serve run` with RAY_preload_python_modules set, as
+cluster.yaml's workers have it, unless --no_preload). Writes e2e-<date>.json (top-level `summary`),
 e2e-<date>.png (pages/s and p50 / p99 against concurrency) and e2e-<date>-startup.log (`serve
 run`'s log up to the first answered page: Ray's, Serve's and each replica's start-up, timed).
 """
@@ -37,6 +38,7 @@ import yaml
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 from bench.common import RESULTS, write_result  # noqa: E402
+from deployments import PRELOAD_MODULES  # noqa: E402
 
 URL = "http://127.0.0.1:8000"
 GENERATED = 700
@@ -136,6 +138,10 @@ def main(argv=None) -> None:
     parser.add_argument("--routers", type=int, default=None,
                         help="Router replicas from the start (default: the config's autoscaling)")
     parser.add_argument("--name", default="e2e")
+    parser.add_argument("--checkpoint", help="the real-dims random checkpoint's directory: "
+                        "written there unless it has one already (runs in one session share it)")
+    parser.add_argument("--no_preload", action="store_true", help="Ray's workers do not import "
+                        "the app's modules ahead (RAY_preload_python_modules unset)")
     opts = parser.parse_args(argv)
     work = tempfile.mkdtemp(prefix="e2e-")
     checkpoint, levels, max_tokens = None, tuple(int(c) for c in opts.levels.split(",")), GENERATED
@@ -148,9 +154,11 @@ def main(argv=None) -> None:
         from deployments.model_source import write_random_model
         from encoder.config import EncoderArgs
         assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU (or --smoke)"
-        start = time.perf_counter()
-        checkpoint = write_random_model(os.path.join(work, "ckpt"), EncoderArgs(), DecoderArgs())
-        print(f"checkpoint written in {time.perf_counter() - start:.0f} s", flush=True)
+        checkpoint = opts.checkpoint or os.path.join(work, "ckpt")
+        if not os.path.isfile(os.path.join(checkpoint, "config.json")):
+            start = time.perf_counter()
+            write_random_model(checkpoint, EncoderArgs(), DecoderArgs())
+            print(f"checkpoint written in {time.perf_counter() - start:.0f} s", flush=True)
     config = serve_config(os.path.join(work, "serve.yaml"), checkpoint, opts.smoke, opts.routers)
     counts = {c: (5 if c == 1 else 2 * c) for c in levels}
     pages = {c: [page_png(1000 * c + i) for i in range(n)] for c, n in counts.items()}
@@ -158,8 +166,12 @@ def main(argv=None) -> None:
     # `serve run` as this interpreter runs it (a carried Ray's console scripts may name another)
     serve_run = [sys.executable, "-m", "ray.serve.scripts", "run", config]
     log = open(os.path.join(work, "serve.log"), "w")
+    env = dict(os.environ)
+    env.pop("RAY_preload_python_modules", None)
+    if not opts.no_preload:
+        env["RAY_preload_python_modules"] = PRELOAD_MODULES
     started = time.perf_counter()
-    server = subprocess.Popen(serve_run, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+    server = subprocess.Popen(serve_run, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
                               stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         cold_start = wait_for_first_page(server, started, first_page, max_tokens, log.name)
@@ -200,6 +212,7 @@ def main(argv=None) -> None:
         "benchmark": "end to end over HTTP, one GPU (gpu-shared.yaml)", "date": date,
         "setup": {"config": "deployments/configs/gpu-shared.yaml" if not opts.smoke else "cpu-tiny.yaml",
                   "overrides": OVERRIDES, "routers": opts.routers, "page": "1191x1684 PNG (text-like, distinct)",
+                  "preload_modules": None if opts.no_preload else PRELOAD_MODULES,
                   "max_tokens": max_tokens, "requests_per_level": counts,
                   "weights": "random, real dims" if not opts.smoke else "tiny random"},
         "summary": summary, "concurrency": rows, "tiers": stats})

@@ -30,6 +30,7 @@ from .protocol import Wire, from_wire
                   ray_actor_options={"num_cpus": 0.25})
 class DecoderServer:
     def __init__(self, config: AppConfig):
+        constructor_start = time.perf_counter()
         cap_gpu_memory(config.gpu_memory_fraction("decoder"))
         device, dtype = device_and_dtype()
         directory, self.model_label = resolve_checkpoint(config.checkpoint)
@@ -42,7 +43,8 @@ class DecoderServer:
                                                    decode_graphs=config.use_graphs,
                                                    kv_cache_gb=config.kv_cache_gb))
         # "graphs": the KV cache's allocation and the decode and sampler graphs' capture.
-        self.startup_s = startup_phases(weights=loaded - start, graphs=time.perf_counter() - loaded)
+        self.startup_s = startup_phases(constructor_start, weights=loaded - start,
+                                        graphs=time.perf_counter() - loaded)
         self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)
 
     def stats(self) -> dict:

@@ -75,6 +75,7 @@ class PathEncoder:
         if path not in ("global", "local"):
             raise ValueError(f"path must be 'global' or 'local', got {path!r}")
         self.path = path
+        self.constructor_start = time.perf_counter()
         cap_gpu_memory(config.gpu_memory_fraction(path))
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{path}-encoder")
         self.engine = self.worker.submit(self._load, config).result()
@@ -94,7 +95,8 @@ class PathEncoder:
         engine = DualPathEncoder(encoder, max_images=config.max_images, use_graphs=config.use_graphs,
                                  max_graph_memory_gb=config.max_graph_memory_gb, paths=(self.path,),
                                  compile=config.compile_encoder)
-        self.startup_s = startup_phases(weights=loaded - start, graphs=time.perf_counter() - loaded)
+        self.startup_s = startup_phases(self.constructor_start, weights=loaded - start,
+                                        graphs=time.perf_counter() - loaded)
         return engine
 
     async def encode(self, pixels: Wire, view: ViewSpec | None = None) -> Wire:

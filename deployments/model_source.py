@@ -7,8 +7,10 @@ benchmark checkpoints all come from it.
 """
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
+import time
 
 import torch
 
@@ -77,11 +79,14 @@ def cap_gpu_memory(fraction: float | None) -> None:
         torch.cuda.set_per_process_memory_fraction(fraction)
 
 
-def startup_phases(**seconds: float) -> dict[str, float]:
-    """A replica's start-up, for /ready: the phases it timed and `process`, the seconds from its
-    process's start (imports and Ray's actor set-up included) to now (the end of its
-    constructor); `process` is left out where /proc cannot tell."""
+def startup_phases(constructor_start: float, **seconds: float) -> dict[str, float]:
+    """A replica's start-up, for /ready and its log (timestamped, beside Serve's "Adding
+    replica" line: the gap before is the actor's start and imports): the phases it timed,
+    `constructor` (from `constructor_start`, a perf_counter, to now: CUDA's start-up included)
+    and `process`, the seconds from its process's start (a worker Ray started ahead waits in
+    it) to now; `process` is left out where /proc cannot tell."""
     phases = {name: round(s, 2) for name, s in seconds.items()}
+    phases["constructor"] = round(time.perf_counter() - constructor_start, 2)
     try:  # field 22 of /proc/self/stat: the start, in clock ticks after boot
         with open("/proc/self/stat") as f:
             started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
@@ -89,4 +94,5 @@ def startup_phases(**seconds: float) -> dict[str, float]:
             phases["process"] = round(float(f.read().split()[0]) - started, 2)
     except (OSError, ValueError, IndexError):
         pass
+    logging.getLogger("ray.serve").info("replica started: %s", phases)
     return phases

@@ -34,6 +34,19 @@ def test_cluster_yaml_matches_rays_schema(cluster_schema):
     assert any("pip install" in c and "deepseek-ocr-serve" in c for c in config["setup_commands"])
 
 
+def test_gpu_workers_preload_modules_that_import():
+    """The GPU workers' `ray start` preloads deployments.PRELOAD_MODULES (Ray skips a module
+    that fails to import, silently: so each must import)."""
+    import importlib
+
+    from deployments import PRELOAD_MODULES
+    config = load(os.path.join(ROOT, "cluster.yaml"))
+    start = [c for c in config["worker_start_ray_commands"] if "ray start" in c]
+    assert start and all(f"RAY_preload_python_modules={PRELOAD_MODULES} ray start" in c for c in start)
+    for module in PRELOAD_MODULES.split(","):
+        importlib.import_module(module)
+
+
 def test_schema_check_can_fail(cluster_schema):
     config = load(os.path.join(ROOT, "cluster.yaml"))
     broken = copy.deepcopy(config)
