@@ -20,7 +20,8 @@ from decoder import (AsyncEngine, GenerationEngine, GenerationRequest, SamplingP
 
 from .config import PROBE_EVERY_S, STUCK_AFTER_S, AppConfig
 from .metrics import decoder_metrics
-from .model_source import cap_gpu_memory, device_and_dtype, replica_id, resolve_checkpoint, startup_phases
+from .model_source import (cap_gpu_memory, device_and_dtype, replica_id, resolve_checkpoint, startup_phases,
+                           use_assigned_cpu_threads)
 from .protocol import Wire, from_wire
 
 
@@ -31,6 +32,7 @@ from .protocol import Wire, from_wire
 class DecoderServer:
     def __init__(self, config: AppConfig):
         constructor_start = time.perf_counter()
+        use_assigned_cpu_threads()
         cap_gpu_memory(config.gpu_memory_fraction("decoder"))
         device, dtype = device_and_dtype()
         directory, self.model_label = resolve_checkpoint(config.checkpoint)

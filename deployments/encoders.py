@@ -25,7 +25,8 @@ from encoder.preprocess import (DEFAULT_MAX_CROPS, MAX_CROPS_LIMIT, check_view_o
 
 from .config import PROBE_EVERY_S, STUCK_AFTER_S, AppConfig
 from .metrics import encoder_metrics
-from .model_source import cap_gpu_memory, device_and_dtype, replica_id, resolve_checkpoint, startup_phases
+from .model_source import (cap_gpu_memory, device_and_dtype, replica_id, resolve_checkpoint, startup_phases,
+                           use_assigned_cpu_threads)
 from .protocol import Wire, from_wire, to_wire
 
 
@@ -76,6 +77,7 @@ class PathEncoder:
             raise ValueError(f"path must be 'global' or 'local', got {path!r}")
         self.path = path
         self.constructor_start = time.perf_counter()
+        use_assigned_cpu_threads()
         cap_gpu_memory(config.gpu_memory_fraction(path))
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{path}-encoder")
         self.engine = self.worker.submit(self._load, config).result()

@@ -73,6 +73,16 @@ def device_and_dtype() -> tuple[str, torch.dtype]:
     return "cpu", torch.float32
 
 
+def use_assigned_cpu_threads() -> None:
+    """torch's CPU thread pool at the size Ray assigned this replica: Ray sets OMP_NUM_THREADS
+    (its CPUs, at least 1) when it gives a worker the replica, but a worker that imported torch
+    before that (deployments.PRELOAD_MODULES) sized the pool from all the machine's cores, and
+    seven replicas with a thread per core each oversubscribe the host."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
+        torch.set_num_threads(int(threads))
+
+
 def cap_gpu_memory(fraction: float | None) -> None:
     """Replicas sharing a GPU each cap their allocator (Ray isolates no GPU memory)."""
     if fraction and torch.cuda.is_available():

@@ -48,7 +48,7 @@ from .config import AppConfig
 from .encoded_cache import EncodedCache, content_key
 from .media import crop_image_blocks, decode_data_url, read_image_url
 from .metrics import router_metrics
-from .model_source import replica_id, resolve_checkpoint
+from .model_source import replica_id, resolve_checkpoint, use_assigned_cpu_threads
 from .protocol import (BadRequest, Document, NotFound, OcrOptions, PayloadTooLarge,
                        UnsupportedMediaType, from_wire, to_wire)
 
@@ -211,6 +211,7 @@ def _handle_source(image, document) -> Document:
 class Router:
     def __init__(self, global_encoder: DeploymentHandle, local_encoder: DeploymentHandle,
                  decoder: DeploymentHandle | None, config: AppConfig):
+        use_assigned_cpu_threads()
         self.global_encoder, self.local_encoder, self.decoder = global_encoder, local_encoder, decoder
         self.config = config
         directory, self.model_label = resolve_checkpoint(config.checkpoint)

@@ -156,3 +156,23 @@ def test_readme_documents_every_app_argument():
     expected = {name: "none" if f.default is None else str(f.default).lower()
                 for name, f in AppConfig.model_fields.items()}
     assert documented == expected
+
+
+def test_replicas_size_torchs_threads_as_ray_assigned(monkeypatch):
+    """A preloaded worker imported torch before Ray set OMP_NUM_THREADS for its replica: the
+    replica applies it (and leaves the pool alone when the variable says nothing usable)."""
+    import torch
+
+    from deployments.model_source import use_assigned_cpu_threads
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        use_assigned_cpu_threads()
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "many")
+        use_assigned_cpu_threads()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
