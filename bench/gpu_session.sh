@@ -5,6 +5,7 @@
 #   bash bench/gpu_session.sh compile   # compile_bench --all_budgets twice (cold, warm cache), compile test
 #   bash bench/gpu_session.sh serve     # serve_bench (needs the Ray bundle)
 #   bash bench/gpu_session.sh e2e       # e2e_bench (needs the Ray bundle)
+#   bash bench/gpu_session.sh e2e-one-encoder   # e2e_bench of gpu-shared-one-encoder.yaml
 #   bash bench/gpu_session.sh startup   # e2e_bench's cold start and one page alone, three ways (~5 min)
 #
 # Results go to $OUT (the device tool brings them back) or bench/results. The Ray bundle and
@@ -24,7 +25,7 @@ ray_bundle() {
   export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH"
 }
 
-case "${1:?phase: encoder, compile, serve, e2e or startup}" in
+case "${1:?phase: encoder, compile, serve, e2e, e2e-one-encoder or startup}" in
   encoder)
     if [ -f .devpkgs/ray-site.tar.xz ] && [ -d .whl ]; then ray_bundle; fi  # the deployment test needs Ray
     python3 -m pytest -q -rs -m gpu tests/test_checkpoint.py tests/test_resize.py tests/test_graphs.py tests/test_attention.py \
@@ -47,6 +48,10 @@ case "${1:?phase: encoder, compile, serve, e2e or startup}" in
   e2e)
     ray_bundle
     python3 bench/e2e_bench.py --out "$out" 2>&1 | tail -40
+    ;;
+  e2e-one-encoder)  # the same with both encoder paths in one process (one_encoder)
+    ray_bundle
+    python3 bench/e2e_bench.py --config gpu-shared-one-encoder.yaml --name e2e-one-encoder --out "$out" 2>&1 | tail -40
     ;;
   startup)
     # Cold start three ways, one shared checkpoint: without and with Ray's workers preloading

@@ -11,8 +11,9 @@ them); also encoding alone of pages preprocessed beforehand (the stricter baseli
 Through Serve (encode-only app: Router -> GlobalEncoder + LocalEncoder, no decoder): p50 of
 `handle.encode.remote(page)` one at a time, and pages/s with 64 requests in flight. Variants:
 "shared" (both encoders on one GPU at num_gpus 0.5 with memory caps), "separate" (each encoder
-on its own GPU; needs 2), and "shared-router-views" (views_on_encoder=false: the routers make
-the views with PIL, the reference path and the design before). 4 router replicas (2 CPUs each).
+on its own GPU; needs 2), "shared-one-encoder" (one_encoder: both paths in one Encoder
+process on the GPU, one call per page) and "shared-router-views" (views_on_encoder=false: the
+routers make the views with PIL, the reference path and the design before). 4 router replicas (2 CPUs each).
 Each measurement is repeated `reps` times in this one run; each ratio is the median over the
 repetitions of (Serve rep i) / (in-process rep i). Writes serve-<date>.json; its summary holds
 the worst ratio over the view-on-encoder variants run.
@@ -78,18 +79,23 @@ def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int) 
     from deployments.config import AppConfig
     from deployments.encoders import PathEncoder
     from deployments.router import Router
-    placement = variant.removesuffix("-router-views")
+    placement = variant.removesuffix("-router-views").removesuffix("-one-encoder")
     gpus = {"separate": (1.0, 1.0), "shared": (0.5, 0.5)}[placement]
     if not torch.cuda.is_available():  # smoke: the same app on CPU
         gpus = (0, 0)
     memory = {"separate": (None, None), "shared": (0.3, 0.6)}[placement]
     config = AppConfig(checkpoint=checkpoint, encode_only=True, gpu_memory_fraction_global=memory[0],
                        gpu_memory_fraction_local=memory[1], encoder_cache_mb=0,  # every page encoded
-                       views_on_encoder=not variant.endswith("-router-views"))
-    encoders = [PathEncoder.options(name=f"{path.capitalize()}Encoder",
-                                    ray_actor_options={"num_cpus": ENCODER_CPUS, "num_gpus": g}
-                                    ).bind(path, config)
-                for path, g in zip(("global", "local"), gpus)]
+                       views_on_encoder=not variant.endswith("-router-views"),
+                       one_encoder=variant.endswith("-one-encoder"))
+    if config.one_encoder:  # both paths in one process: the two GPU shares and memory caps
+        encoders = [PathEncoder.options(name="Encoder", ray_actor_options={
+            "num_cpus": ENCODER_CPUS, "num_gpus": sum(gpus)}).bind("both", config), None]
+    else:
+        encoders = [PathEncoder.options(name=f"{path.capitalize()}Encoder",
+                                        ray_actor_options={"num_cpus": ENCODER_CPUS, "num_gpus": g}
+                                        ).bind(path, config)
+                    for path, g in zip(("global", "local"), gpus)]
     router = Router.options(num_replicas=ROUTERS, ray_actor_options={"num_cpus": ROUTER_CPUS}).bind(
         *encoders, None, config)
     handle = serve.run(router, name=f"bench-{variant}", route_prefix=f"/{variant}")
@@ -140,7 +146,8 @@ def main(argv=None):
     print("in-process", baseline, flush=True)
     ray.init(num_gpus=n_gpus, num_cpus=2 if opts.smoke else None, include_dashboard=False)
     variants = {}
-    for variant in (["separate"] if n_gpus >= 2 else []) + ["shared", "shared-router-views"]:
+    for variant in (["separate"] if n_gpus >= 2 else []) + ["shared", "shared-one-encoder",
+                                                             "shared-router-views"]:
         row = through_serve(checkpoint, pages, variant, opts.reps)
         row |= ratios(row["reps"], baseline["reps"])
         variants[variant] = row

@@ -1,4 +1,4 @@
-"""The application: Router -> (GlobalEncoder, LocalEncoder) -> Decoder.
+"""The application: Router -> (GlobalEncoder, LocalEncoder; or one Encoder) -> Decoder.
 
     serve run deployments.app:app                        # tiny random model, CPU
     serve run deployments.app:build checkpoint=/path/to/DeepSeek-OCR max_images=32
@@ -26,8 +26,11 @@ def build(config: AppConfig) -> Application:
         raise FileNotFoundError(f"checkpoint {config.checkpoint!r} has no config.json: give the "
                                 f"local directory of DeepSeek-OCR's released files (config.json, "
                                 f"model*.safetensors, tokenizer.json)")
-    encoders = [PathEncoder.options(name=f"{path.capitalize()}Encoder").bind(path, config)
-                for path in ("global", "local")]
+    if config.one_encoder:  # both paths in one deployment; the Router calls it for both
+        encoders = [PathEncoder.options(name="Encoder").bind("both", config), None]
+    else:
+        encoders = [PathEncoder.options(name=f"{path.capitalize()}Encoder").bind(path, config)
+                    for path in ("global", "local")]
     decoder = None if config.encode_only else DecoderServer.options(name="Decoder").bind(config)
     return Router.bind(*encoders, decoder, config)
 

@@ -7,7 +7,7 @@ they live in the Serve config YAMLs.
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # A replica whose batch or decode step has run this long fails its health check and is replaced:
 # a batch of 32 pages takes under a second on a GPU, and a decode step milliseconds.
@@ -43,6 +43,11 @@ class AppConfig(BaseModel):
         "working reserve (CPU: up to 256 MB)")
     max_len: int | None = Field(
         None, ge=1024, description="decoder context in tokens; none: the checkpoint's")
+    one_encoder: bool = Field(
+        False, description="both encoder paths in one deployment, `Encoder`: one process and one "
+        "call per image, the paths overlapping on two CUDA streams as in-process (for one "
+        "shared GPU; needs views_on_encoder); false: GlobalEncoder and LocalEncoder, each "
+        "placed and scaled on its own")
     views_on_encoder: bool = Field(
         True, description="routers only decode images; the encoders make the views on their "
         "device (GPU: PIL's exact bicubic arithmetic as tensor math; CPU: PIL); false: routers "
@@ -80,4 +85,16 @@ class AppConfig(BaseModel):
         None, gt=0, le=1, description="Decoder's cap of its GPU's memory (shared GPUs)")
 
     def gpu_memory_fraction(self, deployment: str) -> float | None:
+        """The cap of "global", "local", "decoder", or "both" (one_encoder: the two encoders'
+        caps together)."""
+        if deployment == "both":
+            parts = [self.gpu_memory_fraction_global, self.gpu_memory_fraction_local]
+            return sum(p for p in parts if p) or None
         return getattr(self, f"gpu_memory_fraction_{deployment}")
+
+    @model_validator(mode="after")
+    def _one_encoder_makes_the_views(self):
+        if self.one_encoder and not self.views_on_encoder:
+            raise ValueError("one_encoder needs views_on_encoder: the one Encoder makes both "
+                             "paths' views from the decoded image it is sent")
+        return self

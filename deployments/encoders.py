@@ -1,9 +1,11 @@
-"""GlobalEncoder and LocalEncoder: one deployment class, one path each, running the encode engine.
+"""GlobalEncoder and LocalEncoder: one deployment class, one path each, running the encode engine;
+or, with `one_encoder`, one `Encoder` deployment serving both paths.
 
-A replica loads the encoder and builds `DualPathEncoder(paths=(path,))`, the same engine the
-in-process API and the benchmarks run: requests that arrive together (`@serve.batch`, counting
-views, not requests) are planned into token-budget batches by the scheduler's planner and
-replayed from this path's CUDA graphs, or run eagerly. The engine runs on one worker thread of
+A replica loads the encoder and builds `DualPathEncoder(paths=(path,))` (the Encoder: both
+paths), the same engine the in-process API and the benchmarks run: requests that arrive
+together (`@serve.batch`, counting views, not requests; the Encoder counts images) are planned
+into token-budget batches by the scheduler's planner and replayed from this path's CUDA graphs,
+or run eagerly. The engine runs on one worker thread of
 the replica (capture and every replay), so the replica's event loop stays free for health
 checks and new arrivals while a batch runs; one batch at a time, since graphs own their static
 buffers. On CPU it runs eagerly.
@@ -32,7 +34,8 @@ from .protocol import Wire, from_wire, to_wire
 
 # What a request asks for: its views as sent (a global view [3, S, S], or crops [P, 3, 640,
 # 640]) with `view` None; or decoded pixels [C, H, W] with `view` = (path, mode, grid), from
-# which this replica makes its path's views (views_on_encoder).
+# which this replica makes its path's views (views_on_encoder; path "both": the Encoder of
+# one_encoder makes the global view and, for a tiled image, the crops).
 ViewSpec = tuple[str, str, tuple[int, int]]
 Request = tuple[Wire, ViewSpec | None]
 
@@ -43,7 +46,7 @@ def _views(requests: list[Request]) -> int:
         (array, _), view = request
         if view is not None:
             path, _, (w_tiles, h_tiles) = view
-            return 1 if path == "global" else w_tiles * h_tiles
+            return w_tiles * h_tiles if path == "local" else 1  # "both": counted in images
         return 1 if array.ndim == 3 else array.shape[0]
     return sum(count(r) for r in requests)
 
@@ -58,13 +61,17 @@ def check_view(path: str, pixels: Wire, view: ViewSpec) -> None:
         raise ValueError(f"view must be (path, mode, grid), got {view!r}")
     sent_path, mode, grid = view
     if sent_path != path:
-        raise ValueError(f"a {sent_path!r} view sent to the {path} encoder")
+        target = "Encoder of both paths" if path == "both" else f"{path} encoder"
+        raise ValueError(f"a {sent_path!r} view sent to the {target}")
     check_view_options(mode, DEFAULT_MAX_CROPS)
-    if path == "local" and not (isinstance(grid, tuple) and len(grid) == 2
-                                and all(isinstance(n, int) and n >= 1 for n in grid)
-                                and 2 <= grid[0] * grid[1] <= MAX_CROPS_LIMIT):
-        raise ValueError(f"grid must be (width tiles, height tiles) of 2..{MAX_CROPS_LIMIT} crops, "
-                         f"got {grid!r}")
+    if path == "global":
+        return
+    tiles = grid[0] * grid[1] if (isinstance(grid, tuple) and len(grid) == 2
+                                  and all(isinstance(n, int) and n >= 1 for n in grid)) else 0
+    untiled_ok = path == "both" and grid == (1, 1)  # the Encoder also takes untiled images
+    if not (untiled_ok or 2 <= tiles <= MAX_CROPS_LIMIT):
+        raise ValueError(f"grid must be (width tiles, height tiles) of 2..{MAX_CROPS_LIMIT} crops"
+                         f"{' (or (1, 1): not tiled)' if path == 'both' else ''}, got {grid!r}")
 
 
 # max_queued_requests: past it, callers get BackPressureError at once (the router answers 503
@@ -73,16 +80,17 @@ def check_view(path: str, pixels: Wire, view: ViewSpec) -> None:
                   ray_actor_options={"num_cpus": 0.25})
 class PathEncoder:
     def __init__(self, path: str, config: AppConfig):
-        if path not in ("global", "local"):
-            raise ValueError(f"path must be 'global' or 'local', got {path!r}")
+        if path not in ("global", "local", "both"):
+            raise ValueError(f"path must be 'global', 'local' or 'both', got {path!r}")
         self.path = path
         self.constructor_start = time.perf_counter()
         use_assigned_cpu_threads()
         cap_gpu_memory(config.gpu_memory_fraction(path))
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{path}-encoder")
         self.engine = self.worker.submit(self._load, config).result()
-        self.runner = self.engine.global_path or self.engine.local_path  # this path's graphs
-        self.encode_batch.set_max_batch_size(self.runner.budgets.max_units)
+        self.runners = self.engine.paths  # this replica's paths' graphs
+        # A batch's size in images for both paths (the planner cuts it to both paths' budgets).
+        self.encode_batch.set_max_batch_size(self.runners[0].budgets.max_units)
         self.request_batches: Counter = Counter()  # requests per executed batch
         self.broken: str | None = None
         self.busy_since: float | None = None  # when the batch on the worker thread started
@@ -95,17 +103,20 @@ class PathEncoder:
         encoder = load_encoder(directory, device=device, dtype=dtype)
         loaded = time.perf_counter()
         engine = DualPathEncoder(encoder, max_images=config.max_images, use_graphs=config.use_graphs,
-                                 max_graph_memory_gb=config.max_graph_memory_gb, paths=(self.path,),
+                                 max_graph_memory_gb=config.max_graph_memory_gb,
+                                 paths=("global", "local") if self.path == "both" else (self.path,),
                                  compile=config.compile_encoder)
         self.startup_s = startup_phases(self.constructor_start, weights=loaded - start,
                                         graphs=time.perf_counter() - loaded)
         return engine
 
-    async def encode(self, pixels: Wire, view: ViewSpec | None = None) -> Wire:
+    async def encode(self, pixels: Wire, view: ViewSpec | None = None) -> Wire | tuple[Wire, Wire | None]:
         """GlobalEncoder: a global view [3, S, S] -> its tokens [g*(g+1), D].
         LocalEncoder: one image's crops [P, 3, 640, 640] -> their tokens [P, 100, D].
         With `view` = (path, mode, grid), `pixels` are an image's decoded pixels [C, H, W]
-        and this replica makes the views first, on its device (`encoder.preprocess`)."""
+        and this replica makes the views first, on its device (`encoder.preprocess`).
+        Encoder (one_encoder; `view` = ("both", mode, grid)): an image's decoded pixels ->
+        (global tokens, crop tokens or None when not tiled)."""
         if view is not None:
             check_view(self.path, pixels, view)
         return await self.encode_batch((pixels, view))
@@ -123,43 +134,53 @@ class PathEncoder:
         finally:
             self.busy_since = None
 
-    def _encode(self, requests: list[Request]) -> list[Wire]:
+    def _encode(self, requests: list[Request]) -> list:
         self.request_batches[len(requests)] += 1
-        before, start = self.engine.stats()[self.path], time.perf_counter()
+        before, start = self.engine.stats(), time.perf_counter()
         try:
-            pixels = [self._view_pixels(*r) for r in requests]
-            none = [None] * len(pixels)
-            if self.path == "global":
-                out = [to_wire(out.global_tokens) for out in self.engine.run(pixels, none)]
-            else:
-                out = [to_wire(out.crop_tokens) for out in self.engine.run(none, pixels)]
+            views = [self._views_of(*r) for r in requests]  # (global view, crops) per request
+            out = self.engine.run([g for g, _ in views], [c for _, c in views])
         except RuntimeError as e:
             if "CUDA" in str(e):  # a CUDA fault poisons the context: let Serve replace us
                 self.broken = f"{type(e).__name__}: {e}"
             raise
-        views = sum(len(p) if p.dim() == 4 else 1 for p in pixels)
-        self._record((time.perf_counter() - start) * 1e3, views, before, self.engine.stats()[self.path])
-        return out
+        self._record((time.perf_counter() - start) * 1e3, views, before, self.engine.stats())
+        if self.path == "global":
+            return [to_wire(o.global_tokens) for o in out]
+        if self.path == "local":
+            return [to_wire(o.crop_tokens) for o in out]
+        return [(to_wire(o.global_tokens), None if o.crop_tokens is None else to_wire(o.crop_tokens))
+                for o in out]
 
-    def _view_pixels(self, pixels: Wire, view: ViewSpec | None):
-        """A request's views: as sent, or made here from decoded pixels (on a GPU with the
-        exact tensor resize, on a CPU with PIL: `global_view_of`, `crops_of`)."""
+    def _views_of(self, pixels: Wire, view: ViewSpec | None):
+        """A request's (global view, crops), None where it sends nothing to that path: as
+        sent, or made here from decoded pixels (on a GPU with the exact tensor resize, on a CPU
+        with PIL: `global_view_of`, `crops_of`)."""
         if view is None:
-            return from_wire(pixels)
+            sent = from_wire(pixels)
+            return (sent, None) if self.path == "global" else (None, sent)
         _, mode, grid = view
         decoded = from_wire(pixels).to(self.engine.encoder.device)
-        return global_view_of(decoded, mode) if self.path == "global" else crops_of(decoded, grid)
+        global_view = global_view_of(decoded, mode) if self.path != "local" else None
+        crops = crops_of(decoded, grid) if self.path != "global" and grid != (1, 1) else None
+        return global_view, crops
 
-    def _record(self, ms: float, views: int, before: dict, after: dict) -> None:
-        metrics, tags = encoder_metrics(), {"path": self.path}
-        metrics["batch_ms"].observe(ms, tags=tags)
-        metrics["batch_views"].observe(views, tags=tags)
-        for result, key in (("hit", "graph_hits"), ("miss", "graph_misses")):
-            if after[key] > before[key]:
-                metrics["graph_batches"].inc(after[key] - before[key], tags={**tags, "result": result})
-        for kind, key in (("real", "real_tokens"), ("padded", "padded_tokens")):
-            if after[key] > before[key]:
-                metrics["tokens"].inc(after[key] - before[key], tags={**tags, "kind": kind})
+    def _record(self, ms: float, views: list, before: dict, after: dict) -> None:
+        metrics = encoder_metrics()
+        for part, path in ((0, "global"), (1, "local")):
+            if path not in after:
+                continue
+            tags = {"path": path}
+            metrics["batch_ms"].observe(ms, tags=tags)
+            metrics["batch_views"].observe(sum(len(v[1]) if part else 1 for v in views
+                                               if v[part] is not None), tags=tags)
+            for result, key in (("hit", "graph_hits"), ("miss", "graph_misses")):
+                if after[path][key] > before[path][key]:
+                    metrics["graph_batches"].inc(after[path][key] - before[path][key],
+                                                 tags={**tags, "result": result})
+            for kind, key in (("real", "real_tokens"), ("padded", "padded_tokens")):
+                if after[path][key] > before[path][key]:
+                    metrics["tokens"].inc(after[path][key] - before[path][key], tags={**tags, "kind": kind})
 
     async def check_health(self):
         """Runs on the event loop while a batch runs on the worker thread, so it answers at
@@ -175,7 +196,8 @@ class PathEncoder:
         if time.monotonic() - self.probed < PROBE_EVERY_S:
             return
         self.probed = time.monotonic()
-        probe = asyncio.get_running_loop().run_in_executor(self.worker, self.runner.probe)
+        probe = asyncio.get_running_loop().run_in_executor(
+            self.worker, lambda: [runner.probe() for runner in self.runners])
         try:
             await asyncio.wait_for(asyncio.shield(probe), timeout=20)
         except asyncio.TimeoutError:  # a batch arrived first and holds the worker: not a fault
@@ -186,11 +208,11 @@ class PathEncoder:
 
     def ready(self) -> dict:
         """Answers once the constructor (weights, graph capture) has finished."""
-        return {"ready": True, "path": self.path, "graphs": len(self.runner.graphs),
+        return {"ready": True, "path": self.path, "graphs": sum(len(r.graphs) for r in self.runners),
                 "device": str(self.engine.encoder.device), "startup_s": self.startup_s}
 
     def stats(self) -> dict:
         return {"path": self.path, "model": self.model_label, "replica": replica_id(),
                 "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids(),
                 "requests_per_batch": dict(sorted(self.request_batches.items())),
-                **self.engine.stats()[self.path]}
+                **(self.engine.stats() if self.path == "both" else self.engine.stats()[self.path])}

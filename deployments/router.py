@@ -8,7 +8,9 @@ One request, top to bottom (`_ocr`):
      resizing on a helper thread); the prompt's length is known now and checked against the
      decoder's context before any GPU work;
   3. fan out: each global view goes to GlobalEncoder at once, the crops to LocalEncoder when
-     they are ready; each encoder batches across requests;
+     they are ready (views_on_encoder, the default: the decoded image to both, each making its
+     path's views; one_encoder: to the one Encoder, which makes and encodes both); each
+     encoder batches across requests;
   4. assemble each image's sequence (local grid + newlines, global, separator);
   5. decode: the Decoder generates from the prompt ids and the image embeddings;
   6. respond: text, finish reason, usage, per-stage timings.
@@ -209,8 +211,9 @@ def _handle_source(image, document) -> Document:
 @serve.deployment(max_ongoing_requests=200, ray_actor_options={"num_cpus": 0.25})
 @serve.ingress(api)
 class Router:
-    def __init__(self, global_encoder: DeploymentHandle, local_encoder: DeploymentHandle,
+    def __init__(self, global_encoder: DeploymentHandle, local_encoder: DeploymentHandle | None,
                  decoder: DeploymentHandle | None, config: AppConfig):
+        """`local_encoder` None: `global_encoder` is the one Encoder of both paths (one_encoder)."""
         use_assigned_cpu_threads()
         self.global_encoder, self.local_encoder, self.decoder = global_encoder, local_encoder, decoder
         self.config = config
@@ -489,6 +492,11 @@ class Router:
         if image.cached is not None:
             return image.cached[0], {"preprocess_ms": 0.0, "encode_ms": 0.0, "assemble_ms": 0.0}
         pending = image.pending
+        if self.local_encoder is None:  # one_encoder: one call makes and encodes both paths' views
+            tokens = await call_with_retry(self.global_encoder.encode, to_wire(pending.pixels),
+                                           ("both", pending.mode, pending.grid))
+            return self._assembled(image, *(None if t is None else from_wire(t) for t in tokens),
+                                   start, image.decode_ms)
         if isinstance(pending, DecodedImage):
             pixels = to_wire(pending.pixels)
             global_call = asyncio.ensure_future(call_with_retry(
@@ -510,6 +518,12 @@ class Router:
             global_tokens = from_wire(await global_call)
         finally:
             global_call.cancel()  # no-op when done; frees the call if this image failed
+        return self._assembled(image, global_tokens, crop_tokens, ready, preprocess_ms, item)
+
+    def _assembled(self, image: "_Image", global_tokens, crop_tokens, ready: float,
+                   preprocess_ms: float, item=None):
+        """An image's sequence from its paths' tokens (cached), with its stage timings."""
+        item = item or image.pending
         encoded = time.perf_counter()
         seq = assemble(global_tokens, crop_tokens, item.grid, self.newline, self.separator)
         assert seq.shape[0] == item.num_tokens, (seq.shape, item.num_tokens)
@@ -614,7 +628,8 @@ class Router:
         refused = self._refuse_without_key(request)
         if refused is not None:
             return refused
-        tiers = {"GlobalEncoder": self.global_encoder, "LocalEncoder": self.local_encoder}
+        tiers = ({"Encoder": self.global_encoder} if self.local_encoder is None else
+                 {"GlobalEncoder": self.global_encoder, "LocalEncoder": self.local_encoder})
         if self.decoder is not None:
             tiers["Decoder"] = self.decoder
 

@@ -42,6 +42,7 @@ def test_e2e_bench_smoke(tmp_path):
     result = run_smoke("e2e_bench.py", "e2e", tmp_path)
     summary = result["summary"]
     assert summary["cold_start_s"] > 0 and summary["pages_per_s_best"] > 0
+    assert summary["ready_s"] > 0  # /ready polled beside the first page answered 200
     assert set(result["concurrency"]) == {"1", "4"}
     assert all(row["generated_tokens"] == row["pages"] * 8 and row["p99_s"] >= row["p50_s"] > 0
                for row in result["concurrency"].values())
@@ -50,17 +51,19 @@ def test_e2e_bench_smoke(tmp_path):
 
 
 def test_serve_bench_smoke(tmp_path):
-    """Both variants (encoders make the views; routers make them with PIL) run through Serve
-    and their ratios are reported per repetition's median."""
+    """The three one-GPU variants (encoders make the views; one Encoder makes and encodes
+    both paths; routers make them with PIL) run through Serve and their ratios are reported per
+    repetition's median."""
     result = run_smoke("serve_bench.py", "serve", tmp_path)
     summary = result["summary"]
-    assert summary["smoke"] is True and summary["variants_run"] == ["shared", "shared-router-views"]
+    assert summary["smoke"] is True
+    assert summary["variants_run"] == ["shared", "shared-one-encoder", "shared-router-views"]
     for variant in result["variants"].values():
         assert len(variant["reps"]) == 3 and all(r["p50_ms"] > 0 for r in variant["reps"])
         stages = variant["router_stages_p50_ms_one_at_a_time"]
         assert stages["preprocess_ms"] > 0  # the cache is off: every page encoded
         assert stages["requests"] == 3  # the smoke's 1 warm-up + 2 timed calls, none of the load
-    assert [v["views_on_encoder"] for v in result["variants"].values()] == [True, False]
+    assert [v["views_on_encoder"] for v in result["variants"].values()] == [True, True, False]
 
 
 def test_kernel_families_name_our_kernels():

@@ -57,7 +57,7 @@ def test_schema_check_can_fail(cluster_schema):
 
 def serve_configs():
     out = {name: load(os.path.join(CONFIGS, f"{name}.yaml"))
-           for name in ("cpu-tiny", "gpu-shared", "gpu-separate")}
+           for name in ("cpu-tiny", "gpu-shared", "gpu-separate", "gpu-shared-one-encoder")}
     out["kuberay"] = yaml.safe_load(load(os.path.join(CONFIGS, "kuberay-rayservice.yaml"))["spec"]["serveConfigV2"])
     return out
 
@@ -70,10 +70,17 @@ def code_defaults() -> dict:
     return {name: {"max_ongoing_requests": d.max_ongoing_requests,
                    "ray_actor_options": d.ray_actor_options}
             for name, d in [("Router", Router), ("GlobalEncoder", PathEncoder),
-                            ("LocalEncoder", PathEncoder), ("Decoder", DecoderServer)]}
+                            ("LocalEncoder", PathEncoder), ("Encoder", PathEncoder),
+                            ("Decoder", DecoderServer)]}
 
 
-@pytest.mark.parametrize("name", ["cpu-tiny", "gpu-shared", "gpu-separate", "kuberay"])
+def expected_deployments(config: dict) -> set[str]:
+    (app,) = config["applications"]
+    encoders = {"Encoder"} if app.get("args", {}).get("one_encoder") else {"GlobalEncoder", "LocalEncoder"}
+    return {"Router", "Decoder"} | encoders
+
+
+@pytest.mark.parametrize("name", ["cpu-tiny", "gpu-shared", "gpu-separate", "gpu-shared-one-encoder", "kuberay"])
 def test_serve_configs_validate(name):
     config = serve_configs()[name]
     ServeDeploySchema.model_validate(config)
@@ -81,7 +88,7 @@ def test_serve_configs_validate(name):
     assert app["import_path"] == "deployments.app:build"
     defaults = code_defaults()
     if name != "cpu-tiny":
-        assert {d["name"] for d in app["deployments"]} == set(defaults)
+        assert {d["name"] for d in app["deployments"]} == expected_deployments(serve_configs()[name])
         for d in app["deployments"]:  # every tier autoscales, target below max_ongoing_requests
             auto = d["autoscaling_config"]
             max_ongoing = d.get("max_ongoing_requests", defaults[d["name"]]["max_ongoing_requests"])
@@ -96,7 +103,7 @@ def test_serve_configs_validate(name):
     build(config)
 
 
-@pytest.mark.parametrize("name", ["cpu-tiny", "gpu-shared", "gpu-separate"])
+@pytest.mark.parametrize("name", ["cpu-tiny", "gpu-shared", "gpu-separate", "gpu-shared-one-encoder"])
 def test_yamls_state_only_what_differs_from_the_code(name):
     """No number is both a code default and a YAML value: a YAML restating a default would
     silently stop following the code when the default changes."""
@@ -118,8 +125,9 @@ def test_kuberay_runs_the_gpu_separate_config():
     assert configs["kuberay"] == configs["gpu-separate"]
 
 
-def test_gpu_shared_fits_one_gpu():
-    (app,) = serve_configs()["gpu-shared"]["applications"]
+@pytest.mark.parametrize("name", ["gpu-shared", "gpu-shared-one-encoder"])
+def test_gpu_shared_fits_one_gpu(name):
+    (app,) = serve_configs()[name]["applications"]
     gpus = sum(d["ray_actor_options"].get("num_gpus", 0) for d in app["deployments"])
     assert gpus == pytest.approx(1.0)
     fractions = [v for k, v in app["args"].items() if k.startswith("gpu_memory_fraction")]

@@ -181,6 +181,44 @@ def test_encode_only_app_with_views_made_by_the_router(handle):
         serve.delete("encode-only")
 
 
+def test_one_encoder_app_equals_the_two_encoder_app(handle):
+    """one_encoder (both paths in one Encoder deployment, one call per image) gives the same
+    sequences and text as the default app; its Encoder batches images across requests, takes
+    untiled and tiled images, refuses malformed requests alone, and /ready names it."""
+    from deployments.app import build
+    from deployments.protocol import to_wire
+    one = serve.run(build(AppConfig(one_encoder=True, max_len=2048, max_images=8)), name="one-encoder",
+                    route_prefix="/one")
+    try:
+        for size, _ in CASES:
+            (seq,) = one.encode.remote(picture(size, sum(size))).result(timeout_s=300)
+            (expected,) = handle.encode.remote(picture(size, sum(size))).result(timeout_s=300)
+            assert torch.equal(seq, expected), size
+        image = picture((1191, 1684), 7)
+        got = one.ocr.remote(image, max_tokens=8).result(timeout_s=300)
+        assert got["text"] == handle.ocr.remote(image, max_tokens=8).result(timeout_s=300)["text"]
+        ready = requests.get(f"{URL}/one/ready", timeout=60).json()
+        assert ready["status"] == "ready" and set(ready["tiers"]) == {"Encoder", "Decoder"}
+        assert ready["tiers"]["Encoder"]["path"] == "both"
+
+        encoder = serve.get_deployment_handle("Encoder", "one-encoder")
+        pixels = to_wire(torch.zeros(3, 700, 1400, dtype=torch.uint8))
+        calls = [encoder.encode.remote(pixels, ("both", "gundam", grid)) for grid in [(2, 1), (1, 1)] * 6]
+        for call, grid in zip(calls, [(2, 1), (1, 1)] * 6):
+            global_tokens, crop_tokens = call.result(timeout_s=300)
+            assert global_tokens[0].shape[0] == 272
+            assert (crop_tokens is None) if grid == (1, 1) else crop_tokens[0].shape[:2] == (2, 100)
+        stats = encoder.stats.remote().result()
+        assert max(stats["requests_per_batch"]) > 1, stats
+        assert set(stats) >= {"global", "local"}
+        for view, message in [(("global", "gundam", (2, 1)), "'global' view sent to the Encoder of both"),
+                              (("both", "gundam", (9, 9)), "grid must be")]:
+            with pytest.raises(Exception, match=message):
+                encoder.encode.remote(pixels, view).result(timeout_s=60)
+    finally:
+        serve.delete("one-encoder")
+
+
 def test_encoders_refuse_bad_decoded_requests_alone(handle):
     """A malformed request of decoded pixels fails by itself, named, before it joins a batch."""
     from deployments.protocol import to_wire
