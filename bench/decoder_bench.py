@@ -11,8 +11,9 @@ the prefill time of one prompt and peak memory, for the eager engine and with de
 graphs, side by side. Writes <name>-<date>.json with a top-level `summary` (the decode-graph
 variant's). Variants: `eager`, `decode_graphs` (the default engine: paged-attention kernel),
 `decode_graphs_gather` (its reference attention) and `decode_graphs_separate` (the released q/k/v
-and gate/up projections as separate matmuls: the packed ones' reference twin). `--code DIR` imports the decoder package from
-DIR instead (an older checkout, for an A/B in one run on one machine).
+and gate/up projections as separate matmuls: the packed ones' reference twin). `--code DIR`
+imports the decoder package from DIR instead (an older checkout, for an A/B in one run on one
+machine).
 """
 from __future__ import annotations
 

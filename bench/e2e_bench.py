@@ -5,13 +5,13 @@
 
 Writes a real-dims random checkpoint in the released layout (vision + DeepSeek-3B-MoE + a
 byte-level tokenizer.json with DeepSeek's special-token ids), then `serve run`s
-deployments/configs/gpu-shared.yaml (all tiers on one GPU; or --config) with that checkpoint and the
-overrides below, and sends A4 document pages (1191 x 1684, text-like, each one different, so the
-router's encoder cache never hits) as JSON over HTTP at 1, 16, 64 and 256 requests in flight,
-each generating 700 tokens (max_tokens 700; the random model does not stop early). Reports
-pages/s, generated tokens/s, p50 / p99 latency per concurrency and the cold start (from
-`serve run` to the first answered page, sent as soon as a Router answers /health, and to the
-first 200 of /ready; `serve run` with RAY_preload_python_modules set, as
+deployments/configs/gpu-shared.yaml (all tiers on one GPU; or --config) with that checkpoint
+and the overrides below, and sends A4 document pages (1191 x 1684, text-like, each one
+different, so the router's encoder cache never hits) as JSON over HTTP at 1, 16, 64 and 256
+requests in flight, each generating 700 tokens (max_tokens 700; the random model does not stop
+early). Reports pages/s, generated tokens/s, p50 / p99 latency per concurrency and the cold
+start (from `serve run` to the first answered page, sent as soon as a Router answers /health,
+and to the first 200 of /ready; `serve run` with RAY_preload_python_modules set, as
 cluster.yaml's workers have it, unless --no_preload). Writes e2e-<date>.json (top-level `summary`),
 e2e-<date>.png (pages/s and p50 / p99 against concurrency) and e2e-<date>-startup.log (`serve
 run`'s log up to the first answered page: Ray's, Serve's and each replica's start-up, timed).
@@ -166,7 +166,8 @@ def main(argv=None) -> None:
             start = time.perf_counter()
             write_random_model(checkpoint, EncoderArgs(), DecoderArgs())
             print(f"checkpoint written in {time.perf_counter() - start:.0f} s", flush=True)
-    config = serve_config(os.path.join(work, "serve.yaml"), checkpoint, opts.smoke, opts.routers, opts.config)
+    config = serve_config(os.path.join(work, "serve.yaml"), checkpoint, opts.smoke, opts.routers,
+                          opts.config)
     counts = {c: (5 if c == 1 else 2 * c) for c in levels}
     pages = {c: [page_png(1000 * c + i) for i in range(n)] for c, n in counts.items()}
     first_page = page_png(7)

@@ -3,9 +3,9 @@
 The released keys are used unchanged on disk. In memory some weights are packed (see
 decoder/model.py): `experts.{e}.gate_proj` and `up_proj` rows become `gate_up_proj[e]`,
 `down_proj` becomes `down_proj[e]`; attention's `q_proj`, `k_proj`, `v_proj` rows become
-`qkv_proj`, and each MLP's `gate_proj` and `up_proj` rows its `gate_up_proj`. Reading, validation and writing go through
-`common.checkpoint` (shared with the encoder), so both halves of a checkpoint follow the same
-rules and errors.
+`qkv_proj`, and each MLP's `gate_proj` and `up_proj` rows its `gate_up_proj`. Reading,
+validation and writing go through `common.checkpoint` (shared with the encoder), so both halves
+of a checkpoint follow the same rules and errors.
 """
 from __future__ import annotations
 

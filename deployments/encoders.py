@@ -5,10 +5,9 @@ A replica loads the encoder and builds `DualPathEncoder(paths=(path,))` (the Enc
 paths), the same engine the in-process API and the benchmarks run: requests that arrive
 together (`@serve.batch`, counting views, not requests; the Encoder counts images) are planned
 into token-budget batches by the scheduler's planner and replayed from this path's CUDA graphs,
-or run eagerly. The engine runs on one worker thread of
-the replica (capture and every replay), so the replica's event loop stays free for health
-checks and new arrivals while a batch runs; one batch at a time, since graphs own their static
-buffers. On CPU it runs eagerly.
+or run eagerly. The engine runs on one worker thread of the replica (capture and every replay),
+so the replica's event loop stays free for health checks and new arrivals while a batch runs;
+one batch at a time, since graphs own their static buffers. On CPU it runs eagerly.
 """
 from __future__ import annotations
 

@@ -80,7 +80,8 @@ def expected_deployments(config: dict) -> set[str]:
     return {"Router", "Decoder"} | encoders
 
 
-@pytest.mark.parametrize("name", ["cpu-tiny", "gpu-shared", "gpu-separate", "gpu-shared-one-encoder", "kuberay"])
+@pytest.mark.parametrize("name", ["cpu-tiny", "gpu-shared", "gpu-separate", "gpu-shared-one-encoder",
+                                  "kuberay"])
 def test_serve_configs_validate(name):
     config = serve_configs()[name]
     ServeDeploySchema.model_validate(config)
