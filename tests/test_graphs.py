@@ -108,6 +108,19 @@ def through_deployments(replicas, items):
             for it, g in zip(items, global_tokens)]
 
 
+def through_one_encoder(replica, images):
+    """Every image's decoded pixels as one batch of requests to the one Encoder (one_encoder),
+    assembled as the router assembles them."""
+    from deployments.protocol import from_wire, to_wire
+    from encoder.preprocess import decode
+    decoded = [decode(im) for im in images]
+    tokens = replica._run_batch([(to_wire(d.pixels), ("both", d.mode, d.grid)) for d in decoded])
+    enc = replica.engine.encoder
+    newline, separator = enc.image_newline.cpu(), enc.view_seperator.cpu()
+    return [assemble(from_wire(g), None if c is None else from_wire(c), d.grid, newline, separator)
+            for d, (g, c) in zip(decoded, tokens)]
+
+
 def test_deployments_run_the_in_process_engine_cpu():
     pytest.importorskip("ray")
     from deployments.config import AppConfig
@@ -127,6 +140,15 @@ def test_deployments_run_the_in_process_engine_cpu():
         served_stats, local_stats = replica.engine.stats()[path], engine.stats()[path]
         assert served_stats["real_tokens"] == local_stats["real_tokens"]
         assert max(served_stats["batch_sizes"]) <= 4 * (1 if path == "global" else 6)
+    # The one Encoder (one_encoder) makes both paths' views from decoded pixels and plans
+    # them together, as the in-process engine does.
+    from deployments.encoders import PathEncoder
+    one = PathEncoder.func_or_class("both", AppConfig(max_images=4, one_encoder=True))
+    images = [image(w, h, i) for i, (w, h) in enumerate(MIXED * 2)]
+    fresh = DualPathEncoder(load_encoder(resolve_checkpoint(None)[0]), max_images=4)
+    for a, b in zip(through_one_encoder(one, images), fresh.encode_images(images)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert one.engine.stats() == fresh.stats()
 
 
 # --- GPU ------------------------------------------------------------------------------------------
@@ -243,6 +265,18 @@ def test_deployments_plan_and_replay_like_the_in_process_engine(tmp_path):
             assert a[key] == b[key], (path, key)
     for s, e in zip(served, expected):
         torch.testing.assert_close(s, e.cpu(), rtol=0.016, atol=0.016)
+    # The one Encoder (one_encoder): both paths in one replica, the views made on the GPU.
+    from deployments.encoders import PathEncoder
+    one = PathEncoder.func_or_class("both", AppConfig(checkpoint=checkpoint, one_encoder=True))
+    images = [image(w, h, i) for i, (w, h) in enumerate(PAGES * 11)][:64]
+    fresh = DualPathEncoder(in_process.encoder)
+    expected = fresh.encode_images(images)
+    for s, e in zip(through_one_encoder(one, images), expected):
+        torch.testing.assert_close(s, e.cpu(), rtol=0.016, atol=0.016)
+    for path in ("global", "local"):
+        a, b = one.engine.stats()[path], fresh.stats()[path]
+        for key in ("graph_hits", "graph_misses", "padding_fraction", "batch_sizes"):
+            assert a[key] == b[key], ("one encoder", path, key)
 
 
 @pytest.mark.gpu
