@@ -43,6 +43,7 @@ def test_e2e_bench_smoke(tmp_path):
     summary = result["summary"]
     assert summary["cold_start_s"] > 0 and summary["pages_per_s_best"] > 0
     assert summary["ready_s"] > 0  # /ready polled beside the first page answered 200
+    assert summary["first_page_timings_ms"]["decode_ms"] > 0
     assert set(result["concurrency"]) == {"1", "4"}
     assert all(row["generated_tokens"] == row["pages"] * 8 and row["p99_s"] >= row["p50_s"] > 0
                for row in result["concurrency"].values())
