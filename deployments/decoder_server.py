@@ -38,6 +38,7 @@ class DecoderServer:
         directory, self.model_label = resolve_checkpoint(config.checkpoint)
         start = time.perf_counter()
         model = load_decoder(directory, device=device, dtype=dtype)
+        weights = time.perf_counter() - start
         tokenizer = load_tokenizer(directory if config.checkpoint else None)
         loaded = time.perf_counter()
         # use_graphs None: decode-step CUDA graphs on a GPU, eager on CPU.
@@ -45,7 +46,8 @@ class DecoderServer:
                                                    decode_graphs=config.use_graphs,
                                                    kv_cache_gb=config.kv_cache_gb))
         # "graphs": the KV cache's allocation and the decode and sampler graphs' capture.
-        self.startup_s = startup_phases(constructor_start, weights=loaded - start,
+        self.startup_s = startup_phases(constructor_start, weights=weights,
+                                        tokenizer=loaded - start - weights,
                                         graphs=time.perf_counter() - loaded)
         self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)
 
