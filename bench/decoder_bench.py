@@ -10,8 +10,10 @@ concurrency (all requests submitted together; prefills included), the median dec
 the prefill time of one prompt and peak memory, for the eager engine and with decode-step CUDA
 graphs, side by side. Writes <name>-<date>.json with a top-level `summary` (the decode-graph
 variant's). Variants: `eager`, `decode_graphs` (the default engine: paged-attention kernel),
-`decode_graphs_gather` (its reference attention) and `decode_graphs_separate` (the released q/k/v
-and gate/up projections as separate matmuls: the packed ones' reference twin). `--code DIR`
+`decode_graphs_gather` (its reference attention), `decode_graphs_separate` (the released q/k/v
+and gate/up projections as separate matmuls: the packed ones' reference twin) and
+`decode_graphs_triton_moe` (the routed experts of decode steps in decoder/triton_moe.py's fused
+kernels instead of the grouped matmuls). `--code DIR`
 imports the decoder package from DIR instead (an older checkout, for an A/B in one run on one
 machine).
 """
@@ -72,7 +74,8 @@ def main(argv=None):
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--name", default="decoder")
     parser.add_argument("--variants", nargs="+", default=["eager", "decode_graphs"],
-                        choices=["eager", "decode_graphs", "decode_graphs_gather", "decode_graphs_separate"])
+                        choices=["eager", "decode_graphs", "decode_graphs_gather", "decode_graphs_separate",
+                                 "decode_graphs_triton_moe"])
     parser.add_argument("--code", help="import the decoder package from this directory")
     opts = parser.parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
@@ -113,6 +116,8 @@ def measure(model, tokenizer, args, embeds, max_len, variant, prefill) -> dict:
     # Older code (--code) has no packed projections to unpack.
     if hasattr(model, "use_fused_projections"):
         model.use_fused_projections(variant != "decode_graphs_separate")
+    if hasattr(model, "use_moe_kernel"):
+        model.use_moe_kernel("triton" if variant == "decode_graphs_triton_moe" else "grouped_mm")
     start = time.perf_counter()
     warm = GenerationRequest([0, 5, 6], params=SamplingParams(max_tokens=4, ignore_eos=True))
     engine.generate([warm])  # warm-up; with graphs, the first step captures them all

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU measurements of issue 14 in four calls of under ten minutes each, on one H200.
+# The GPU measurements of issue 14, one phase per call of under ten minutes, on one H200.
 #
 #   bash bench/gpu_session.sh encoder   # GPU tests (encoder, views, decoder), graph_bench
+#   bash bench/gpu_session.sh decoder   # decoder GPU tests, decoder_bench and profile, both experts kernels
 #   bash bench/gpu_session.sh compile   # compile_bench --all_budgets twice (cold, warm cache), compile test
 #   bash bench/gpu_session.sh serve     # serve_bench (needs the Ray bundle)
 #   bash bench/gpu_session.sh e2e       # e2e_bench (needs the Ray bundle)
@@ -25,13 +26,20 @@ ray_bundle() {
   export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH"
 }
 
-case "${1:?phase: encoder, compile, serve, e2e, e2e-one-encoder or startup}" in
+case "${1:?phase: encoder, decoder, compile, serve, e2e, e2e-one-encoder or startup}" in
   encoder)
     if [ -f .devpkgs/ray-site.tar.xz ] && [ -d .whl ]; then ray_bundle; fi  # the deployment test needs Ray
     python3 -m pytest -q -rs -m gpu tests/test_checkpoint.py tests/test_resize.py tests/test_graphs.py tests/test_attention.py \
       tests/test_engine.py tests/test_decoder_model.py tests/test_sampling.py 2>&1 | tee "$out/gpu-tests.txt" | tail -5 \
       || echo "GPU TESTS FAILED (see gpu-tests.txt)"
     python3 bench/graph_bench.py --out "$out" 2>&1 | tail -30
+    ;;
+  decoder)  # the decoder's GPU tests, then the bench and profile with each experts kernel
+    python3 -m pytest -q -rs -s -m gpu tests/test_decoder_model.py tests/test_engine.py 2>&1 \
+      | tee "$out/gpu-tests-decoder.txt" | grep "moe kernels\|fused vs\|passed\|failed" || echo "DECODER GPU TESTS FAILED"
+    python3 bench/decoder_bench.py --variants decode_graphs decode_graphs_triton_moe --out "$out" 2>&1 | grep " c[0-9]*:"
+    python3 bench/profile_decoder.py --batch 64 256 --context 1280 --moe_kernel grouped_mm triton \
+      > "$out/profile-decoder.txt" 2>&1; grep "===" "$out/profile-decoder.txt"
     ;;
   compile)
     export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache

@@ -1,11 +1,13 @@
 """Where does a decode step's time go? Kernel table (torch.profiler) and graph-replay floor.
 
     python bench/profile_decoder.py [--batch 1 16 64] [--context 1024] [--kernel triton gather]
+                                    [--moe_kernel grouped_mm triton]
 
 Real DeepSeek-3B-MoE dims, random weights, bf16. For `batch` sequences at `context` cached
 tokens: the eager model step (wall and summed kernel time), the same step replayed from a CUDA
 graph, and the top CUDA kernels; with --compile, the graph replay of the torch.compile'd step;
---kernel: the paged decode attention's implementations to profile (decoder/kv_cache.py).
+--kernel: the paged decode attention's implementations to profile (decoder/kv_cache.py);
+--moe_kernel: the routed experts' (decoder/model.py `Experts.kernel`).
 Diagnostic only; writes nothing.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main(argv=None):
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--rows", type=int, default=20)
     parser.add_argument("--kernel", nargs="+", default=["triton"], choices=["triton", "gather"])
+    parser.add_argument("--moe_kernel", nargs="+", default=["grouped_mm"], choices=["grouped_mm", "triton"])
     parser.add_argument("--compile", action="store_true",
                         help="also replay a graph of the torch.compile'd step (one static compile per batch)")
     opts = parser.parse_args(argv)
@@ -41,8 +44,9 @@ def main(argv=None):
     for row in range(rows):
         cache.reserve(row, kv_len)
     cache.sync()
-    for batch, kernel in ((b, k) for b in opts.batch for k in opts.kernel):
+    for batch, kernel, moe in ((b, k, m) for b in opts.batch for k in opts.kernel for m in opts.moe_kernel):
         cache.kernel = kernel
+        model.use_moe_kernel(moe)
         tokens = torch.randint(3, 1000, (batch, 1), device="cuda")
         positions = torch.full((batch,), opts.context, device="cuda")
         step = CacheStep(cache, positions=positions, kv_len=kv_len)
@@ -55,7 +59,8 @@ def main(argv=None):
                 compile_s, replay_ms = compiled_replay_ms(fn, 20)
                 print(f"batch {batch}: compiled step replay {replay_ms:.2f} ms "
                       f"(compile {compile_s:.0f} s)", flush=True)
-        print_profile(f"batch {batch}, context {opts.context}, {kernel} attention", result, opts.rows)
+        print_profile(f"batch {batch}, context {opts.context}, {kernel} attention, {moe} experts",
+                      result, opts.rows)
 
 
 if __name__ == "__main__":

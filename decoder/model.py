@@ -143,6 +143,13 @@ def grouped_mm_loop(x, w, ends):
 
 
 class Experts(nn.Module):
+    # "grouped_mm": gather, two grouped matmuls, SiLU, weighted index-add (the reference);
+    # "triton": the two fused kernels of decoder/triton_moe.py (CUDA; not yet measured on a GPU)
+    # for batches of up to TRITON_MAX_ROWS (token, choice) rows, decode steps; prefills, with
+    # hundreds of rows per expert, stay on the grouped matmuls, which tile large batches better.
+    kernel = "grouped_mm"
+    TRITON_MAX_ROWS = 4096
+
     def __init__(self, args: DecoderArgs):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.zeros(args.n_experts, 2 * args.moe_intermediate, args.hidden))
@@ -159,6 +166,9 @@ class Experts(nn.Module):
         # size its output from the data and so wait on the GPU every layer).
         expert_ids = torch.arange(self.gate_up_proj.shape[0], device=x.device, dtype=key_dtype)
         ends = torch.searchsorted(sorted_experts, expert_ids, right=True, out_int32=True)
+        if self.kernel == "triton" and n * k <= self.TRITON_MAX_ROWS:
+            from .triton_moe import fused_experts  # Triton only where this path is asked for
+            return fused_experts(x, weights.flatten(), order, ends, self.gate_up_proj, self.down_proj, k)
         token = order // k
         gate, up = grouped_mm(x[token], self.gate_up_proj, ends).chunk(2, dim=-1)
         ys = grouped_mm(F.silu(gate) * up, self.down_proj, ends)
@@ -229,6 +239,15 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, MLP)):
                 module.fused = on
+
+    def use_moe_kernel(self, kernel: str = "grouped_mm") -> None:
+        """The routed experts' implementation in every MoE layer: "grouped_mm" (the reference)
+        or "triton" (decoder/triton_moe.py)."""
+        if kernel not in ("grouped_mm", "triton"):
+            raise ValueError(f"kernel must be 'grouped_mm' or 'triton', got {kernel!r}")
+        for module in self.modules():
+            if isinstance(module, Experts):
+                module.kernel = kernel
 
     def embed(self, input_ids):
         return self.model.embed_tokens(input_ids)

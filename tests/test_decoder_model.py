@@ -1,6 +1,8 @@
 """The language model against transformers' DeepseekOcr2TextModel, and its checkpoint loading."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,7 +10,7 @@ import torch
 from common.checkpoint import SINGLE_FILE
 from decoder.checkpoint import load_decoder, released_shapes
 from decoder.config import DecoderArgs
-from decoder.model import grouped_mm, grouped_mm_loop
+from decoder.model import Decoder, Experts, grouped_mm, grouped_mm_loop
 from deployments.model_source import write_random_model
 from encoder import CheckpointError, EncoderArgs
 from tests.reference import deepseek_ocr2_text_model
@@ -71,6 +73,65 @@ def test_fused_projections_equal_the_released_separate_ones(pair):
         finally:
             ours.use_fused_projections(True)
     assert rel_err(fused, separate) <= 1e-6
+
+
+MOE_KERNELS_IN_INTERPRETER = """
+import torch
+from decoder.config import DecoderArgs
+from decoder.model import MoE
+from decoder.triton_moe import fused_experts
+torch.manual_seed(0)
+args = DecoderArgs(vocab_size=64, hidden=64, n_layers=2, n_heads=1, intermediate=96, n_experts=8,
+                   moe_intermediate=48, top_k=3, name="moe-kernel-test")
+moe = MoE(args)
+with torch.no_grad():
+    for p in moe.parameters():
+        p.copy_(torch.randn_like(p) * 0.2)
+# (tokens, (block_m, block_n, block_k)): one token (most experts empty), experts with more rows
+# than a block, an intermediate width (48) that is no multiple of the column block
+for n, blocks in [(1, (16, 32, 32)), (5, (16, 16, 16)), (40, (16, 32, 32)), (40, (32, 64, 64))]:
+    x = torch.randn(n, args.hidden)
+    with torch.no_grad():
+        weights, experts = moe.gate(x)
+        moe.experts.kernel = "grouped_mm"
+        reference = moe.experts(x, weights, experts)
+        moe.experts.kernel = "triton"
+        through_model = moe.experts(x, weights, experts)
+        keys = experts.flatten().to(torch.uint8).sort(stable=True)
+        ends = torch.searchsorted(keys.values, torch.arange(8, dtype=torch.uint8), right=True, out_int32=True)
+        tuned = fused_experts(x, weights.flatten(), keys.indices, ends, moe.experts.gate_up_proj,
+                              moe.experts.down_proj, args.top_k, *blocks)
+    rows = int(torch.bincount(experts.flatten(), minlength=8).max())
+    print(n, blocks[0], rows, float((tuned - reference).abs().max()))
+    assert torch.allclose(tuned, reference, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(through_model, reference, atol=1e-5, rtol=1e-5)
+"""
+
+
+def test_moe_kernels_equal_the_grouped_matmuls_in_triton_interpreter():
+    """decoder/triton_moe.py's two kernels, run by Triton's CPU interpreter (fp32), against the
+    grouped-matmul experts (the reference twin), directly and through `Experts.kernel`."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", MOE_KERNELS_IN_INTERPRETER], env=env, capture_output=True,
+                         text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    cases = [line.split() for line in run.stdout.splitlines() if line]
+    assert len(cases) == 4 and any(int(rows) > int(block) for _, block, rows, _ in cases), run.stdout
+
+
+def test_moe_kernel_switch():
+    with torch.device("meta"):
+        model = Decoder(REF_ARGS)
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert len(experts) == REF_ARGS.n_layers - 1  # every layer but the dense first
+    model.use_moe_kernel("triton")
+    assert all(e.kernel == "triton" for e in experts)
+    model.use_moe_kernel()
+    assert all(e.kernel == "grouped_mm" for e in experts)
+    with pytest.raises(ValueError, match="kernel must be"):
+        model.use_moe_kernel("cutlass")
 
 
 def test_grouped_mm_matches_a_loop():
@@ -158,3 +219,28 @@ def test_real_dims_bf16_cuda():
     print(f"decoder bf16 vs fp32 logits: {err:.2e}; fused vs separate projections (bf16): "
           f"{separate_err:.2e}")
     assert err <= 3e-2 and separate_err <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 256])
+def test_moe_kernels_equal_the_grouped_matmuls_on_gpu(tokens):
+    """decoder/triton_moe.py against the grouped-matmul experts at real dims, bf16 (the kernels
+    keep fp32 where the reference rounds to bf16: a relative error of bf16 rounding), and one
+    decode-sized forward of the whole model with each."""
+    from decoder.checkpoint import random_decoder
+    args = DecoderArgs()
+    model = random_decoder(args, device="cuda", dtype=torch.bfloat16)
+    moe = model.model.layers[1].mlp
+    x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, args.vocab_size, (tokens, 1), device="cuda")
+    with torch.inference_mode():
+        weights, experts = moe.gate(x)
+        reference, reference_logits = moe.experts(x, weights, experts), model(input_ids=ids)
+        model.use_moe_kernel("triton")
+        try:
+            fused, fused_logits = moe.experts(x, weights, experts), model(input_ids=ids)
+        finally:
+            model.use_moe_kernel()
+    err, logits_err = rel_err(fused, reference), rel_err(fused_logits, reference_logits)
+    print(f"moe kernels vs grouped matmuls, {tokens} tokens: experts {err:.2e}, logits {logits_err:.2e}")
+    assert err <= 1e-2 and logits_err <= 1e-2

@@ -1,0 +1,123 @@
+"""The routed experts of one MoE layer in two Triton kernels (CUDA; Triton's interpreter on CPU).
+
+`Experts.forward` sorts the (token, choice) pairs by expert and finds where each expert's rows
+end; then, instead of gathering the tokens' activations, two grouped matmuls, SiLU, a multiply
+and a weighted index-add (about ten kernels a layer):
+  1. `_gate_up_kernel`: a program takes up to BLOCK_M sorted rows of one expert and a BLOCK_N
+     slice of the intermediate width; it gathers its rows' activations itself, reads the
+     expert's gate and up slices once and stores SiLU(gate) * up (computed in fp32);
+  2. `_down_kernel`: the same blocks over the hidden width; it multiplies each row by its
+     routing weight and adds it into its token's fp32 output (atomic adds: the sum over a
+     token's experts).
+A program finds its expert from the experts' row ends (no padding pass): the grid is sized from
+shapes alone (at most one partial block per expert), so CUDA graphs can hold it, and programs
+past the last expert's rows return at once. The reference twin is the grouped-matmul path
+(`Experts.kernel = "grouped_mm"`; tests compare the two). Numerics: the reference rounds gate,
+up, SiLU(gate) * up and each expert's output to the activation dtype; these kernels keep fp32
+until the intermediate's store and the output's sum.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Not yet tuned on a GPU: rows per program (one block covers a decode step's ~24 rows per
+# expert at 256 sequences), output columns per program, reduction step.
+BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS = 32, 64, 64, 4
+
+
+@triton.jit
+def _expert_block(pid, ENDS, E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program `pid`'s expert and its sorted rows [first, last); expert == E: no rows."""
+    offs_e = tl.arange(0, E_POW2)
+    in_range = offs_e < E
+    ends = tl.load(ENDS + offs_e, mask=in_range, other=0)
+    starts = tl.load(ENDS + offs_e - 1, mask=in_range & (offs_e > 0), other=0)
+    blocks = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    through = tl.cumsum(blocks, 0)  # blocks of experts 0..e
+    expert = tl.sum((through <= pid).to(tl.int32), 0)
+    mine = offs_e == expert  # picks one expert's entries out of the vectors
+    block_in_expert = pid - tl.sum(tl.where(mine, through - blocks, 0), 0)
+    first = tl.sum(tl.where(mine, starts, 0), 0) + block_in_expert * BLOCK_M
+    last = tl.sum(tl.where(mine, ends, 0), 0)
+    return expert, first, last
+
+
+@triton.jit
+def _gate_up_kernel(X, W, ENDS, ORDER, OUT, hidden, inter, sx, sw_e, sw_n, so,
+                    TOP_K: tl.constexpr, E: tl.constexpr, E_POW2: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    expert, first, last = _expert_block(tl.program_id(0), ENDS, E, E_POW2, BLOCK_M)
+    if expert < E:
+        rows = first + tl.arange(0, BLOCK_M)
+        row_ok = rows < last
+        token = tl.load(ORDER + rows, mask=row_ok, other=0) // TOP_K
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < inter
+        w = W + expert.to(tl.int64) * sw_e
+        gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < hidden
+            a = tl.load(X + token[:, None] * sx + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_ok = k_ok[:, None] & col_ok[None, :]
+            w_gate = tl.load(w + cols[None, :] * sw_n + ks[:, None], mask=w_ok, other=0.0)
+            w_up = tl.load(w + (inter + cols)[None, :] * sw_n + ks[:, None], mask=w_ok, other=0.0)
+            gate = tl.dot(a, w_gate, gate)
+            up = tl.dot(a, w_up, up)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(OUT + rows[:, None] * so + cols[None, :], act.to(OUT.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(A, W, ENDS, ORDER, ROUTE_W, OUT, inter, hidden, sa, sw_e, sw_n, so,
+                 TOP_K: tl.constexpr, E: tl.constexpr, E_POW2: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    expert, first, last = _expert_block(tl.program_id(0), ENDS, E, E_POW2, BLOCK_M)
+    if expert < E:
+        rows = first + tl.arange(0, BLOCK_M)
+        row_ok = rows < last
+        pair = tl.load(ORDER + rows, mask=row_ok, other=0)  # token * TOP_K + choice
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < hidden
+        w = W + expert.to(tl.int64) * sw_e
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < inter
+            a = tl.load(A + rows[:, None] * sa + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_down = tl.load(w + cols[None, :] * sw_n + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
+                             other=0.0)
+            acc = tl.dot(a, w_down, acc)
+        acc = acc * tl.load(ROUTE_W + pair, mask=row_ok, other=0.0)[:, None]
+        tl.atomic_add(OUT + (pair // TOP_K)[:, None] * so + cols[None, :], acc,
+                      mask=row_ok[:, None] & col_ok[None, :])
+
+
+def fused_experts(x, route_weights, order, ends, gate_up, down, top_k: int,
+                  block_m: int = BLOCK_M, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
+                  num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """x [N, H]; route_weights [N * top_k] fp32 (flattened (token, choice) order); order [N *
+    top_k] the pairs sorted by expert; ends [E] int32 where each expert's sorted rows end;
+    gate_up [E, 2I, H]; down [E, H, I] -> sum over each token's choices of weight * expert(x),
+    [N, H] in x's dtype. The other arguments are the tuning knobs (module defaults)."""
+    n, hidden = x.shape
+    experts, two_inter, _ = gate_up.shape
+    inter = two_inter // 2
+    assert x.stride(1) == gate_up.stride(2) == down.stride(2) == 1 and order.numel() == n * top_k
+    rows = order.numel()
+    blocks = triton.cdiv(rows, block_m) + experts  # at most one partial block per expert
+    meta = dict(TOP_K=top_k, E=experts, E_POW2=triton.next_power_of_2(experts), BLOCK_M=block_m,
+                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    act = torch.empty(rows, inter, device=x.device, dtype=x.dtype)
+    _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
+        x, gate_up, ends, order, act, hidden, inter, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), act.stride(0), **meta)
+    out = torch.zeros(n, hidden, device=x.device, dtype=torch.float32)
+    _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
+        act, down, ends, order, route_weights, out, inter, hidden, act.stride(0), down.stride(0),
+        down.stride(1), out.stride(0), **meta)
+    return out.to(x.dtype)
