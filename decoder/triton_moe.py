@@ -28,33 +28,34 @@ BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS = 32, 64, 64, 4
 
 
 @triton.jit
-def _expert_block(pid, ENDS, E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Program `pid`'s expert and its sorted rows [first, last); expert == E: no rows."""
+def _program_tile(ENDS, ORDER, n_cols, E: tl.constexpr, E_POW2: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's expert (E: none, past the last expert's rows), its sorted rows and their
+    (token, choice) pairs, and its output columns, with their masks."""
     offs_e = tl.arange(0, E_POW2)
     in_range = offs_e < E
     ends = tl.load(ENDS + offs_e, mask=in_range, other=0)
     starts = tl.load(ENDS + offs_e - 1, mask=in_range & (offs_e > 0), other=0)
     blocks = (ends - starts + BLOCK_M - 1) // BLOCK_M
     through = tl.cumsum(blocks, 0)  # blocks of experts 0..e
+    pid = tl.program_id(0)
     expert = tl.sum((through <= pid).to(tl.int32), 0)
     mine = offs_e == expert  # picks one expert's entries out of the vectors
     block_in_expert = pid - tl.sum(tl.where(mine, through - blocks, 0), 0)
-    first = tl.sum(tl.where(mine, starts, 0), 0) + block_in_expert * BLOCK_M
-    last = tl.sum(tl.where(mine, ends, 0), 0)
-    return expert, first, last
+    rows = tl.sum(tl.where(mine, starts, 0), 0) + block_in_expert * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.sum(tl.where(mine, ends, 0), 0)
+    pair = tl.load(ORDER + rows, mask=row_ok, other=0)  # token * TOP_K + choice
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, rows, row_ok, pair, cols, cols < n_cols
 
 
 @triton.jit
 def _gate_up_kernel(X, W, ENDS, ORDER, OUT, hidden, inter, sx, sw_e, sw_n, so,
                     TOP_K: tl.constexpr, E: tl.constexpr, E_POW2: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    expert, first, last = _expert_block(tl.program_id(0), ENDS, E, E_POW2, BLOCK_M)
+    expert, rows, row_ok, pair, cols, col_ok = _program_tile(ENDS, ORDER, inter, E, E_POW2, BLOCK_M, BLOCK_N)
     if expert < E:
-        rows = first + tl.arange(0, BLOCK_M)
-        row_ok = rows < last
-        token = tl.load(ORDER + rows, mask=row_ok, other=0) // TOP_K
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < inter
+        token = pair // TOP_K
         w = W + expert.to(tl.int64) * sw_e
         gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -76,13 +77,8 @@ def _gate_up_kernel(X, W, ENDS, ORDER, OUT, hidden, inter, sx, sw_e, sw_n, so,
 def _down_kernel(A, W, ENDS, ORDER, ROUTE_W, OUT, inter, hidden, sa, sw_e, sw_n, so,
                  TOP_K: tl.constexpr, E: tl.constexpr, E_POW2: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    expert, first, last = _expert_block(tl.program_id(0), ENDS, E, E_POW2, BLOCK_M)
+    expert, rows, row_ok, pair, cols, col_ok = _program_tile(ENDS, ORDER, hidden, E, E_POW2, BLOCK_M, BLOCK_N)
     if expert < E:
-        rows = first + tl.arange(0, BLOCK_M)
-        row_ok = rows < last
-        pair = tl.load(ORDER + rows, mask=row_ok, other=0)  # token * TOP_K + choice
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < hidden
         w = W + expert.to(tl.int64) * sw_e
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
