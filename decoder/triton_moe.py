@@ -1,8 +1,8 @@
 """The routed experts of one MoE layer in two Triton kernels (CUDA; Triton's interpreter on CPU).
 
 `Experts.forward` sorts the (token, choice) pairs by expert and finds where each expert's rows
-end; then, instead of gathering the tokens' activations, two grouped matmuls, SiLU, a multiply
-and a weighted index-add (about ten kernels a layer):
+end; then these two kernels replace the gather of the tokens' activations, the two grouped
+matmuls, SiLU, the multiply and the weighted index-add (about ten kernels a layer):
   1. `_gate_up_kernel`: a program takes up to BLOCK_M sorted rows of one expert and a BLOCK_N
      slice of the intermediate width; it gathers its rows' activations itself, reads the
      expert's gate and up slices once and stores SiLU(gate) * up (computed in fp32);
