@@ -82,11 +82,11 @@ class PathEncoder:
         if path not in ("global", "local", "both"):
             raise ValueError(f"path must be 'global', 'local' or 'both', got {path!r}")
         self.path = path
-        self.constructor_start = time.perf_counter()
+        constructor_start = time.perf_counter()
         use_assigned_cpu_threads()
         cap_gpu_memory(config.gpu_memory_fraction(path))
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{path}-encoder")
-        self.engine = self.worker.submit(self._load, config).result()
+        self.engine = self.worker.submit(self._load, config, constructor_start).result()
         self.runners = self.engine.paths  # this replica's paths' graphs
         # A batch's size in images for both paths (the planner cuts it to both paths' budgets).
         self.encode_batch.set_max_batch_size(self.runners[0].budgets.max_units)
@@ -95,7 +95,7 @@ class PathEncoder:
         self.busy_since: float | None = None  # when the batch on the worker thread started
         self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)
 
-    def _load(self, config: AppConfig) -> DualPathEncoder:
+    def _load(self, config: AppConfig, constructor_start: float) -> DualPathEncoder:
         device, dtype = device_and_dtype()
         directory, self.model_label = resolve_checkpoint(config.checkpoint)
         start = time.perf_counter()
@@ -105,7 +105,7 @@ class PathEncoder:
                                  max_graph_memory_gb=config.max_graph_memory_gb,
                                  paths=("global", "local") if self.path == "both" else (self.path,),
                                  compile=config.compile_encoder)
-        self.startup_s = startup_phases(self.constructor_start, weights=loaded - start,
+        self.startup_s = startup_phases(constructor_start, weights=loaded - start,
                                         graphs=time.perf_counter() - loaded)
         return engine
 

@@ -44,6 +44,20 @@ def tiny_encoder(tiny_checkpoint):
     return load_encoder(tiny_checkpoint)
 
 
+def run_in_triton_interpreter(code: str, timeout: int = 600) -> str:
+    """`code` in a fresh interpreter with Triton's CPU interpreter on (TRITON_INTERPRET is read
+    at import, so it cannot be turned on in this process), from the repository root: its
+    stdout; a non-zero exit fails the test with its stderr."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
 SERVE_PORT = 8123
 SERVE_URL = f"http://127.0.0.1:{SERVE_PORT}"
 METRICS_PORT = 8125  # Ray's Prometheus export of this test cluster

@@ -1,7 +1,4 @@
 """The fused rel-pos attention against the dense-bias reference and a float64 formula."""
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -10,8 +7,8 @@ from encoder import EncoderArgs
 from encoder.model import SamBlock
 from encoder.relpos_attention import (dense_relpos_attention, fused_relpos_attention, get_rel_pos,
                                       rel_pos_terms, relpos_attention)
+from tests.conftest import run_in_triton_interpreter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (grid, table rows): 64x64 global block on a 1024 view, 40x40 global block on a 640 crop
 # (table interpolated), 14x14 window, and an 80x80 global block (1280 "large" mode).
 SHAPES = [((64, 64), 127), ((40, 40), 127), ((14, 14), 27), ((80, 80), 127)]
@@ -107,11 +104,7 @@ print("interpreted kernel ok")
 def test_triton_kernel_in_interpreter_mode():
     """The Triton kernel's logic on CPU (Triton's interpreter; fp32, exact dots)."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    done = subprocess.run([sys.executable, "-c", INTERPRET_SCRIPT], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "interpreted kernel ok" in done.stdout
+    assert "interpreted kernel ok" in run_in_triton_interpreter(INTERPRET_SCRIPT)
 
 
 @pytest.mark.gpu

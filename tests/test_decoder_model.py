@@ -1,8 +1,6 @@
 """The language model against transformers' DeepseekOcr2TextModel, and its checkpoint loading."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,6 +11,7 @@ from decoder.config import DecoderArgs
 from decoder.model import Decoder, Experts, grouped_mm, grouped_mm_loop
 from deployments.model_source import write_random_model
 from encoder import CheckpointError, EncoderArgs
+from tests.conftest import run_in_triton_interpreter
 from tests.reference import deepseek_ocr2_text_model
 
 # Real head dim (128) and top-6 of 16 experts; small widths and depth.
@@ -112,13 +111,9 @@ def test_moe_kernels_equal_the_grouped_matmuls_in_triton_interpreter():
     """decoder/triton_moe.py's two kernels, run by Triton's CPU interpreter (fp32), against the
     grouped-matmul experts (the reference twin), directly and through `Experts.kernel`."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", MOE_KERNELS_IN_INTERPRETER], env=env, capture_output=True,
-                         text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    cases = [line.split() for line in run.stdout.splitlines() if line]
-    assert len(cases) == 4 and any(int(rows) > int(block) for _, block, rows, _ in cases), run.stdout
+    stdout = run_in_triton_interpreter(MOE_KERNELS_IN_INTERPRETER)
+    cases = [line.split() for line in stdout.splitlines() if line]
+    assert len(cases) == 4 and any(int(rows) > int(block) for _, block, rows, _ in cases), stdout
 
 
 def test_moe_kernel_switch():

@@ -1,12 +1,10 @@
 """Continuous batching, KV cache, stop conditions and streaming of the generation engine (CPU)."""
 import asyncio
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.conftest import run_in_triton_interpreter
 from decoder.checkpoint import load_decoder
 from deployments.model_source import write_random_model
 from decoder.engine import AsyncEngine, GenerationEngine, GenerationRequest, SamplingParams
@@ -478,12 +476,9 @@ for rows, kv_len, positions, block, split in [(1, 1024, [1023], 64, 128), (4, 30
     print(rows, -(-kv_len // split), float((out - ref).abs().max()))
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
 """
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    splits = [int(line.split()[1]) for line in run.stdout.split("\n") if line]
-    assert splits[0] > 1 and splits[-1] == 1, run.stdout  # both the split and the one-split path
+    stdout = run_in_triton_interpreter(code, timeout=300)
+    splits = [int(line.split()[1]) for line in stdout.split("\n") if line]
+    assert splits[0] > 1 and splits[-1] == 1, stdout  # both the split and the one-split path
 
 
 @pytest.mark.gpu
