@@ -1,19 +1,20 @@
 """Decoder throughput on one GPU: continuous batching at 1 to 256 concurrent sequences.
 
     python bench/decoder_bench.py [--out bench/results] [--variants eager decode_graphs ...]
-                                  [--code DIR] [--name decoder]
+                                  [--code DIR] [--name decoder] [--repeats 3]
 
 Real DeepSeek-3B-MoE dims, random weights, bf16. Each request: a 1,000-token prompt of which 903
 are image placeholders (a 2x3 page; embeddings random) and exactly 512 generated tokens
 (`ignore_eos`), greedy with the default no-repeat-n-gram rule. Reports generated tokens/s per
-concurrency (all requests submitted together; prefills included), the median decode step,
+concurrency (all requests submitted together; prefills included; the median of --repeats runs),
+the median decode step, the time spent while prompts wait to be prefilled,
 the prefill time of one prompt and peak memory, for the eager engine and with decode-step CUDA
 graphs, side by side. Writes <name>-<date>.json with a top-level `summary` (the decode-graph
 variant's). Variants: `eager`, `decode_graphs` (the default engine: paged-attention kernel),
 `decode_graphs_gather` (its reference attention), `decode_graphs_separate` (the released q/k/v
 and gate/up projections as separate matmuls: the packed ones' reference twin) and
-`decode_graphs_triton_moe` (the routed experts of decode steps in decoder/triton_moe.py's fused
-kernels instead of the grouped matmuls). `--code DIR`
+`decode_graphs_grouped_mm` (the routed experts of decode steps in grouped matmuls: the reference
+twin of decoder/triton_moe.py's fused kernels, which the engine runs). `--code DIR`
 imports the decoder package from DIR instead (an older checkout, for an A/B in one run on one
 machine).
 """
@@ -45,10 +46,12 @@ def request(args, seed: int):
 
 
 def run(engine, args, n: int) -> dict:
-    """n requests submitted together, stepped to completion; decode-only steps timed apart."""
+    """n requests submitted together, stepped to completion; decode-only steps timed apart, and
+    the wall time split into steps while prompts wait (prefills) and the rest."""
     ids = [engine.add(request(args, i)) for i in range(n)]
     generated = {i: 0 for i in ids}
-    decode_steps = []
+    decode_steps, prefill_phase_s = [], 0.0
+    preemptions = engine.preemptions
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -56,7 +59,9 @@ def run(engine, args, n: int) -> dict:
         prefills = bool(engine.waiting)
         step_start = time.perf_counter()
         deltas = engine.step()  # ends in the argmax's host sync: wall time is GPU time
-        if not prefills:
+        if prefills:
+            prefill_phase_s += time.perf_counter() - step_start
+        else:
             decode_steps.append(time.perf_counter() - step_start)
         for d in deltas:
             generated[d.request_id] = d.completion_tokens
@@ -66,7 +71,15 @@ def run(engine, args, n: int) -> dict:
     return {"seconds": seconds, "generated_tokens": total, "tokens_per_s": total / seconds,
             "decode_step_ms_p50": 1e3 * statistics.median(decode_steps),
             "decode_only_tokens_per_s": n / statistics.median(decode_steps),
+            "prefill_phase_s": prefill_phase_s, "decode_phase_s": sum(decode_steps),
+            "decode_steps": len(decode_steps), "preemptions": engine.preemptions - preemptions,
             "peak_memory_gb": torch.cuda.max_memory_allocated() / 2 ** 30}
+
+
+def repeated(engine, args, n: int, repeats: int) -> dict:
+    """`run` `repeats` times: the median run by tokens/s, with every run's tokens/s beside it."""
+    runs = sorted((run(engine, args, n) for _ in range(repeats)), key=lambda r: r["tokens_per_s"])
+    return {**runs[len(runs) // 2], "repeats_tokens_per_s": [r["tokens_per_s"] for r in runs]}
 
 
 def main(argv=None):
@@ -75,8 +88,9 @@ def main(argv=None):
     parser.add_argument("--name", default="decoder")
     parser.add_argument("--variants", nargs="+", default=["eager", "decode_graphs"],
                         choices=["eager", "decode_graphs", "decode_graphs_gather", "decode_graphs_separate",
-                                 "decode_graphs_triton_moe"])
+                                 "decode_graphs_grouped_mm"])
     parser.add_argument("--code", help="import the decoder package from this directory")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per concurrency (median)")
     opts = parser.parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     if opts.code:
@@ -99,7 +113,8 @@ def main(argv=None):
     variants = {}
     for i, name in enumerate(opts.variants):
         try:
-            variants[name] = measure(model, tokenizer, args, embeds, max_len, name, prefill=i == 0)
+            variants[name] = measure(model, tokenizer, args, embeds, max_len, name, opts.repeats,
+                                     prefill=i == 0)
         except Exception as e:  # noqa: BLE001 - a failed variant is recorded, the rest stand
             variants[name] = {"error": f"{type(e).__name__}: {e}"}
             print(name, "failed:", variants[name]["error"], flush=True)
@@ -107,7 +122,7 @@ def main(argv=None):
         write(opts, variants, weights_gb)  # after each variant: a cut-off run keeps what it has
 
 
-def measure(model, tokenizer, args, embeds, max_len, variant, prefill) -> dict:
+def measure(model, tokenizer, args, embeds, max_len, variant, repeats, prefill) -> dict:
     graphs = variant != "eager"
     engine = GenerationEngine(model, tokenizer, max_batch=max(CONCURRENCY), max_len=max_len,
                               decode_graphs=graphs)
@@ -117,7 +132,7 @@ def measure(model, tokenizer, args, embeds, max_len, variant, prefill) -> dict:
     if hasattr(model, "use_fused_projections"):
         model.use_fused_projections(variant != "decode_graphs_separate")
     if hasattr(model, "use_moe_kernel"):
-        model.use_moe_kernel("triton" if variant == "decode_graphs_triton_moe" else "grouped_mm")
+        model.use_moe_kernel("grouped_mm" if variant == "decode_graphs_grouped_mm" else "auto")
     start = time.perf_counter()
     warm = GenerationRequest([0, 5, 6], params=SamplingParams(max_tokens=4, ignore_eos=True))
     engine.generate([warm])  # warm-up; with graphs, the first step captures them all
@@ -130,7 +145,7 @@ def measure(model, tokenizer, args, embeds, max_len, variant, prefill) -> dict:
             rows["prefill_16_per_prompt_ms"] = time_ms(lambda: model(
                 inputs_embeds=batch, step=CacheStep(engine.cache, slot=0), last_only=True), 5) / 16
     for n in CONCURRENCY:
-        rows[str(n)] = run(engine, args, n)
+        rows[str(n)] = repeated(engine, args, n, repeats)
         print(f"{variant} c{n}: "
               f"{rows[str(n)]['tokens_per_s']:.0f} tokens/s, decode step "
               f"{rows[str(n)]['decode_step_ms_p50']:.2f} ms", flush=True)

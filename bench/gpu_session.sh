@@ -3,6 +3,7 @@
 #
 #   bash bench/gpu_session.sh encoder   # GPU tests (encoder, views, decoder), graph_bench
 #   bash bench/gpu_session.sh decoder   # decoder GPU tests, decoder_bench and profile, both experts kernels
+#   bash bench/gpu_session.sh tune-moe  # the fused MoE kernels' tiles (bench/tune_moe_kernel.py)
 #   bash bench/gpu_session.sh compile   # compile_bench --all_budgets twice (cold, warm cache), compile test
 #   bash bench/gpu_session.sh serve     # serve_bench (needs the Ray bundle)
 #   bash bench/gpu_session.sh e2e       # e2e_bench (needs the Ray bundle)
@@ -26,7 +27,7 @@ ray_bundle() {
   export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH"
 }
 
-case "${1:?phase: encoder, decoder, compile, serve, e2e, e2e-one-encoder or startup}" in
+case "${1:?phase: encoder, decoder, tune-moe, compile, serve, e2e, e2e-one-encoder or startup}" in
   encoder)
     if [ -f .devpkgs/ray-site.tar.xz ] && [ -d .whl ]; then ray_bundle; fi  # the deployment test needs Ray
     python3 -m pytest -q -rs -m gpu tests/test_checkpoint.py tests/test_resize.py tests/test_graphs.py tests/test_attention.py \
@@ -37,9 +38,12 @@ case "${1:?phase: encoder, decoder, compile, serve, e2e, e2e-one-encoder or star
   decoder)  # the decoder's GPU tests, then the bench and profile with each experts kernel
     python3 -m pytest -q -rs -s -m gpu tests/test_decoder_model.py tests/test_engine.py 2>&1 \
       | tee "$out/gpu-tests-decoder.txt" | grep "moe kernels\|fused vs\|passed\|failed" || echo "DECODER GPU TESTS FAILED"
-    python3 bench/decoder_bench.py --variants decode_graphs decode_graphs_triton_moe --out "$out" 2>&1 | grep " c[0-9]*:"
-    python3 bench/profile_decoder.py --batch 64 256 --context 1280 --moe_kernel grouped_mm triton \
+    python3 bench/decoder_bench.py --variants decode_graphs decode_graphs_grouped_mm --out "$out" 2>&1 | grep " c[0-9]*:"
+    python3 bench/profile_decoder.py --batch 64 256 --context 1280 --moe_kernel auto grouped_mm \
       > "$out/profile-decoder.txt" 2>&1; grep "===" "$out/profile-decoder.txt"
+    ;;
+  tune-moe)
+    python3 bench/tune_moe_kernel.py --out "$out" 2>&1 | grep -v "^ \|^{\|^}"
     ;;
   compile)
     export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache

@@ -32,7 +32,7 @@ def main(argv=None):
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--rows", type=int, default=20)
     parser.add_argument("--kernel", nargs="+", default=["triton"], choices=["triton", "gather"])
-    parser.add_argument("--moe_kernel", nargs="+", default=["grouped_mm"], choices=["grouped_mm", "triton"])
+    parser.add_argument("--moe_kernel", nargs="+", default=["auto"], choices=["auto", "grouped_mm", "triton"])
     parser.add_argument("--compile", action="store_true",
                         help="also replay a graph of the torch.compile'd step (one static compile per batch)")
     opts = parser.parse_args(argv)

@@ -18,13 +18,27 @@ until the intermediate's store and the output's sum.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-# Not yet tuned on a GPU: rows per program (one block covers a decode step's ~24 rows per
-# expert at 256 sequences), output columns per program, reduction step.
-BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS = 32, 64, 64, 4
+
+class Tile(NamedTuple):
+    """One kernel's tuning knobs: sorted rows, output columns and reduction step per program,
+    warps, software-pipelining stages."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Not yet tuned on a GPU (bench/tune_moe_kernel.py picks them): one row block covers a decode
+# step's ~24 rows per expert at 256 sequences.
+GATE_UP_TILE = Tile(32, 64, 64)
+DOWN_TILE = Tile(32, 64, 64)
 
 
 @triton.jit
@@ -93,27 +107,46 @@ def _down_kernel(A, W, ENDS, ORDER, ROUTE_W, OUT, inter, hidden, sa, sw_e, sw_n,
                       mask=row_ok[:, None] & col_ok[None, :])
 
 
+def _launch_meta(tile: Tile, top_k: int, experts: int) -> dict:
+    return dict(TOP_K=top_k, E=experts, E_POW2=triton.next_power_of_2(experts), BLOCK_M=tile.block_m,
+                BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
+                num_stages=tile.num_stages)
+
+
+def _row_blocks(rows: int, experts: int, block_m: int) -> int:
+    return triton.cdiv(rows, block_m) + experts  # at most one partial block per expert
+
+
+def gate_up_silu(x, order, ends, gate_up, top_k: int, tile: Tile | None = None) -> torch.Tensor:
+    """SiLU(gate) * up of each sorted (token, choice) row under its expert: [N * top_k, I]."""
+    tile = tile or GATE_UP_TILE  # read at call time: bench/tune_moe_kernel.py sets it
+    experts, two_inter, hidden = gate_up.shape
+    inter, rows = two_inter // 2, order.numel()
+    act = torch.empty(rows, inter, device=x.device, dtype=x.dtype)
+    _gate_up_kernel[(_row_blocks(rows, experts, tile.block_m), triton.cdiv(inter, tile.block_n))](
+        x, gate_up, ends, order, act, hidden, inter, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), act.stride(0), **_launch_meta(tile, top_k, experts))
+    return act
+
+
+def down_combine(act, order, ends, route_weights, down, tokens: int, top_k: int,
+                 tile: Tile | None = None) -> torch.Tensor:
+    """Each sorted row's down projection times its routing weight, summed per token: [N, H] fp32."""
+    tile = tile or DOWN_TILE
+    experts, hidden, inter = down.shape
+    out = torch.zeros(tokens, hidden, device=act.device, dtype=torch.float32)
+    _down_kernel[(_row_blocks(order.numel(), experts, tile.block_m), triton.cdiv(hidden, tile.block_n))](
+        act, down, ends, order, route_weights, out, inter, hidden, act.stride(0), down.stride(0),
+        down.stride(1), out.stride(0), **_launch_meta(tile, top_k, experts))
+    return out
+
+
 def fused_experts(x, route_weights, order, ends, gate_up, down, top_k: int,
-                  block_m: int = BLOCK_M, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
-                  num_warps: int = NUM_WARPS) -> torch.Tensor:
+                  gate_up_tile: Tile | None = None, down_tile: Tile | None = None) -> torch.Tensor:
     """x [N, H]; route_weights [N * top_k] fp32 (flattened (token, choice) order); order [N *
     top_k] the pairs sorted by expert; ends [E] int32 where each expert's sorted rows end;
     gate_up [E, 2I, H]; down [E, H, I] -> sum over each token's choices of weight * expert(x),
-    [N, H] in x's dtype. The other arguments are the tuning knobs (module defaults)."""
-    n, hidden = x.shape
-    experts, two_inter, _ = gate_up.shape
-    inter = two_inter // 2
-    assert x.stride(1) == gate_up.stride(2) == down.stride(2) == 1 and order.numel() == n * top_k
-    rows = order.numel()
-    blocks = triton.cdiv(rows, block_m) + experts  # at most one partial block per expert
-    meta = dict(TOP_K=top_k, E=experts, E_POW2=triton.next_power_of_2(experts), BLOCK_M=block_m,
-                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
-    act = torch.empty(rows, inter, device=x.device, dtype=x.dtype)
-    _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
-        x, gate_up, ends, order, act, hidden, inter, x.stride(0), gate_up.stride(0),
-        gate_up.stride(1), act.stride(0), **meta)
-    out = torch.zeros(n, hidden, device=x.device, dtype=torch.float32)
-    _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
-        act, down, ends, order, route_weights, out, inter, hidden, act.stride(0), down.stride(0),
-        down.stride(1), out.stride(0), **meta)
-    return out.to(x.dtype)
+    [N, H] in x's dtype. The tiles are the two kernels' tuning knobs (default: the module's)."""
+    assert x.stride(1) == gate_up.stride(2) == down.stride(2) == 1 and order.numel() == x.shape[0] * top_k
+    act = gate_up_silu(x, order, ends, gate_up, top_k, gate_up_tile)
+    return down_combine(act, order, ends, route_weights, down, x.shape[0], top_k, down_tile).to(x.dtype)

@@ -78,7 +78,7 @@ MOE_KERNELS_IN_INTERPRETER = """
 import torch
 from decoder.config import DecoderArgs
 from decoder.model import MoE
-from decoder.triton_moe import fused_experts
+from decoder.triton_moe import Tile, fused_experts
 torch.manual_seed(0)
 args = DecoderArgs(vocab_size=64, hidden=64, n_layers=2, n_heads=1, intermediate=96, n_experts=8,
                    moe_intermediate=48, top_k=3, name="moe-kernel-test")
@@ -98,8 +98,9 @@ for n, blocks in [(1, (16, 32, 32)), (5, (16, 16, 16)), (40, (16, 32, 32)), (40,
         through_model = moe.experts(x, weights, experts)
         keys = experts.flatten().to(torch.uint8).sort(stable=True)
         ends = torch.searchsorted(keys.values, torch.arange(8, dtype=torch.uint8), right=True, out_int32=True)
+        tile = Tile(*blocks)
         tuned = fused_experts(x, weights.flatten(), keys.indices, ends, moe.experts.gate_up_proj,
-                              moe.experts.down_proj, args.top_k, *blocks)
+                              moe.experts.down_proj, args.top_k, tile, tile)
     rows = int(torch.bincount(experts.flatten(), minlength=8).max())
     print(n, blocks[0], rows, float((tuned - reference).abs().max()))
     assert torch.allclose(tuned, reference, atol=1e-5, rtol=1e-5)
@@ -121,10 +122,11 @@ def test_moe_kernel_switch():
         model = Decoder(REF_ARGS)
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     assert len(experts) == REF_ARGS.n_layers - 1  # every layer but the dense first
+    assert all(e.kernel == "auto" for e in experts)
     model.use_moe_kernel("triton")
     assert all(e.kernel == "triton" for e in experts)
     model.use_moe_kernel()
-    assert all(e.kernel == "grouped_mm" for e in experts)
+    assert all(e.kernel == "auto" for e in experts)
     with pytest.raises(ValueError, match="kernel must be"):
         model.use_moe_kernel("cutlass")
 
@@ -194,6 +196,7 @@ def test_real_dims_bf16_cuda():
     bf16 = random_decoder(args, device="cuda", dtype=torch.bfloat16)
     moe = bf16.model.layers[1].mlp
     x = torch.randn(300, args.hidden, device="cuda", dtype=torch.bfloat16)
+    bf16.use_moe_kernel("grouped_mm")  # the grouped matmuls themselves, not the Triton kernels
     with torch.inference_mode():
         weights, experts = moe.gate(x)
         grouped = moe.experts(x, weights, experts)
@@ -219,23 +222,35 @@ def test_real_dims_bf16_cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 64, 256])
 def test_moe_kernels_equal_the_grouped_matmuls_on_gpu(tokens):
-    """decoder/triton_moe.py against the grouped-matmul experts at real dims, bf16 (the kernels
-    keep fp32 where the reference rounds to bf16: a relative error of bf16 rounding), and one
-    decode-sized forward of the whole model with each."""
+    """decoder/triton_moe.py against the grouped-matmul experts at real dims in bf16, each
+    measured against the same weights in fp32: the kernels (which keep fp32 where the reference
+    rounds to bf16) must be no less accurate than the path they replace, for one MoE layer and
+    for one decode-sized forward of the whole model. (The two bf16 paths differ from each other
+    by about their own rounding: ~5e-3 for a layer, ~1.5e-2 for the logits after 12 layers.)"""
     from decoder.checkpoint import random_decoder
     args = DecoderArgs()
+    fp32 = random_decoder(args, device="cuda", dtype=torch.float32)  # the same seeded weights
     model = random_decoder(args, device="cuda", dtype=torch.bfloat16)
-    moe = model.model.layers[1].mlp
+    moe, moe32 = model.model.layers[1].mlp, fp32.model.layers[1].mlp
     x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, args.vocab_size, (tokens, 1), device="cuda")
     with torch.inference_mode():
         weights, experts = moe.gate(x)
+        exact = moe32.experts(x.float(), weights.float(), experts)
+        exact_logits = fp32(input_ids=ids)
+        del fp32
+        model.use_moe_kernel("grouped_mm")
         reference, reference_logits = moe.experts(x, weights, experts), model(input_ids=ids)
         model.use_moe_kernel("triton")
         try:
             fused, fused_logits = moe.experts(x, weights, experts), model(input_ids=ids)
         finally:
             model.use_moe_kernel()
-    err, logits_err = rel_err(fused, reference), rel_err(fused_logits, reference_logits)
-    print(f"moe kernels vs grouped matmuls, {tokens} tokens: experts {err:.2e}, logits {logits_err:.2e}")
-    assert err <= 1e-2 and logits_err <= 1e-2
+    errs = {name: (rel_err(out, exact), rel_err(logits, exact_logits))
+            for name, out, logits in (("grouped_mm", reference, reference_logits),
+                                      ("triton", fused, fused_logits))}
+    print(f"moe kernels, {tokens} tokens, vs fp32 (experts, logits): "
+          + ", ".join(f"{name} {e:.2e} {l:.2e}" for name, (e, l) in errs.items())
+          + f"; triton vs grouped_mm {rel_err(fused, reference):.2e} {rel_err(fused_logits, reference_logits):.2e}")
+    (ref_err, ref_logits_err), (err, logits_err) = errs["grouped_mm"], errs["triton"]
+    assert err <= 1.1 * ref_err and logits_err <= 1.1 * ref_logits_err

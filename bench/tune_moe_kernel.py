@@ -1,0 +1,127 @@
+"""Pick the fused MoE kernels' tiles on this GPU, and the batch up to which they beat the grouped
+matmuls.
+
+    python bench/tune_moe_kernel.py [--out DIR]
+
+One MoE layer at real DeepSeek-3B-MoE dims (64 experts, hidden 1,280, intermediate 896, top 6),
+bf16, random weights and routing, for 1 to 682 tokens (682 x 6 rows is the largest batch
+`Experts.TRITON_MAX_ROWS` lets through). Each kernel of decoder/triton_moe.py is timed over a
+grid of tiles (rows, columns and reduction step per program, warps, stages), ten launches in one
+CUDA graph (GPU time, no Python launch cost), checked against the grouped-matmul reference. The
+defaults are the tile with the least time summed over the decode batches (1 to 256 tokens),
+each kernel apart. Then the whole experts forward (sort, kernels) with those tiles against the
+grouped-matmul path, at every batch. Writes moe-kernel-tuning-<date>.json; prints the tiles to
+put in decoder/triton_moe.py.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.common import graph_replay_ms, options, rel_err, write_result  # noqa: E402
+from decoder.config import DecoderArgs  # noqa: E402
+from decoder.model import Experts  # noqa: E402
+from decoder import triton_moe  # noqa: E402
+from decoder.triton_moe import Tile, down_combine, gate_up_silu  # noqa: E402
+
+TOKENS = (1, 16, 64, 128, 256, 384, 512, 682)
+DECODE_TOKENS = (1, 16, 64, 128, 256)  # the decode batches the defaults are chosen for
+GRID = [Tile(*t) for t in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4, 8), (3, 4))]
+LAUNCHES = 10  # per graph: one replay's fixed cost spread thin
+
+
+def per_launch_us(fn) -> float:
+    def ten():
+        for _ in range(LAUNCHES):
+            fn()
+    return graph_replay_ms(ten, 20) * 1e3 / LAUNCHES
+
+
+def main(argv=None):
+    opts = options(argv)
+    args = DecoderArgs()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    experts = Experts(args).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, device="cuda", generator=gen) * 0.02)
+    weight_gb = sum(p.numel() * p.element_size() for p in experts.parameters()) / 1e9
+    rows, totals = {}, {"gate_up": {}, "down": {}}
+    for tokens in TOKENS:
+        x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+        logits = torch.randn(tokens, args.n_experts, device="cuda", generator=gen)
+        weights, ids = logits.softmax(-1).topk(args.top_k, dim=-1)
+        keys, order = ids.flatten().to(torch.uint8).sort(stable=True)
+        ends = torch.searchsorted(keys, torch.arange(args.n_experts, device="cuda", dtype=torch.uint8),
+                                  right=True, out_int32=True)
+        with torch.inference_mode():
+            experts.kernel = "grouped_mm"
+            reference = experts(x, weights, ids)
+            act = gate_up_silu(x, order, ends, experts.gate_up_proj, args.top_k)
+            kernels = {
+                "gate_up": lambda tile: gate_up_silu(x, order, ends, experts.gate_up_proj, args.top_k, tile),
+                "down": lambda tile: down_combine(act, order, ends, weights.flatten(), experts.down_proj,
+                                                  tokens, args.top_k, tile)}
+            trials = {}
+            for name, launch in kernels.items():
+                trials[name] = []
+                for tile in GRID:
+                    try:
+                        out = (down_combine(launch(tile), order, ends, weights.flatten(), experts.down_proj,
+                                            tokens, args.top_k) if name == "gate_up" else launch(tile))
+                        err = rel_err(out.to(reference.dtype), reference)
+                        us = per_launch_us(lambda: launch(tile))  # noqa: B023 - timed at once
+                    except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for this tile
+                        trials[name].append({**tile._asdict(), "error": repr(e)[:200]})
+                        continue
+                    trials[name].append({**tile._asdict(), "us": us, "rel_err": err})
+                    if err < 1e-2 and tokens in DECODE_TOKENS:
+                        totals[name].setdefault(tile, {})[tokens] = us
+            best = {name: min((t for t in ts if "us" in t and t["rel_err"] < 1e-2), key=lambda t: t["us"])
+                    for name, ts in trials.items()}
+            rows[str(tokens)] = {"best": best, "trials": trials}
+        print(f"{tokens} tokens: " + "; ".join(
+            f"{name} best {b['us']:.1f} us {Tile(**{k: b[k] for k in Tile._fields})}" for name, b in best.items()),
+            flush=True)
+    chosen = {}
+    for name, by_tile in totals.items():
+        complete = {tile: sum(t.values()) for tile, t in by_tile.items() if len(t) == len(DECODE_TOKENS)}
+        chosen[name] = min(complete, key=complete.get)
+    print(f"defaults: GATE_UP_TILE = {chosen['gate_up']}, DOWN_TILE = {chosen['down']} "
+          f"(were {triton_moe.GATE_UP_TILE}, {triton_moe.DOWN_TILE})")
+    # The whole experts forward, as Experts.forward runs it, with the chosen tiles.
+    triton_moe.GATE_UP_TILE, triton_moe.DOWN_TILE = chosen["gate_up"], chosen["down"]
+    forward = {}
+    for tokens in TOKENS:
+        x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+        weights, ids = torch.randn(tokens, args.n_experts, device="cuda", generator=gen).softmax(-1).topk(args.top_k)
+        times = {}
+        with torch.inference_mode():
+            for kernel in ("grouped_mm", "triton"):
+                experts.kernel = kernel
+                times[kernel] = per_launch_us(lambda: experts(x, weights, ids))  # noqa: B023
+        forward[str(tokens)] = {"grouped_mm_us": times["grouped_mm"], "triton_us": times["triton"],
+                                "speedup": times["grouped_mm"] / times["triton"],
+                                # as if every expert's weights were read (they are from ~64 tokens on)
+                                "all_weights_tb_per_s_triton": weight_gb * 1e3 / times["triton"]}
+        print(f"experts forward, {tokens} tokens: grouped_mm {times['grouped_mm']:.1f} us, "
+              f"triton {times['triton']:.1f} us ({forward[str(tokens)]['speedup']:.2f}x)", flush=True)
+    summary = {"gate_up_tile": chosen["gate_up"]._asdict(), "down_tile": chosen["down"]._asdict(),
+               **{f"gate_up_us_{t}": totals["gate_up"][chosen["gate_up"]][t] for t in DECODE_TOKENS},
+               **{f"down_us_{t}": totals["down"][chosen["down"]][t] for t in DECODE_TOKENS},
+               **{f"forward_speedup_{t}": forward[str(t)]["speedup"] for t in TOKENS}}
+    write_result(opts.out, "moe-kernel-tuning",
+                 {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+                  "torch": torch.__version__, "experts_weight_gb": weight_gb,
+                  "note": "each kernel's grid ran beside the module's tile of the other; the "
+                          "forward comparison runs the chosen tiles",
+                  "summary": summary, "forward": forward, "tokens": rows})
+
+
+if __name__ == "__main__":
+    main()
