@@ -82,8 +82,9 @@ def compiled_replay_ms(call, iters: int) -> tuple[float, float]:
     return time.perf_counter() - start, graph_replay_ms(call, iters)
 
 
-def profile_step(fn, iters: int = 10) -> dict:
-    """Eager ms, summed kernel ms and launches (torch.profiler), graph-replay ms, kernel table."""
+def profile_step(fn, iters: int = 10, replay: bool = True) -> dict:
+    """Eager ms, summed kernel ms and launches (torch.profiler), graph-replay ms (None without
+    `replay`), kernel table."""
     from torch.profiler import ProfilerActivity, profile
     eager = time_ms(fn, iters)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -92,13 +93,14 @@ def profile_step(fn, iters: int = 10) -> dict:
     events = prof.key_averages()
     return {"eager_ms": eager, "kernel_ms": sum(e.self_device_time_total for e in events) / 1e3,
             "launches": sum(e.count for e in events if e.device_type.name == "CUDA"),
-            "replay_ms": graph_replay_ms(fn, iters), "events": events}
+            "replay_ms": graph_replay_ms(fn, iters) if replay else None, "events": events}
 
 
 # Kernel families by name (first match wins), for the per-family totals of print_profile.
 KERNEL_FAMILIES = (
     ("relpos attention (ours)", r"_relpos_attention_fwd"),
     ("paged attention (ours)", r"paged|_split_kernel|_combine_kernel"),
+    ("moe experts (ours)", r"_gate_up_kernel|_down_kernel"),
     ("flash / sdpa attention", r"flash|fmha|attention|cutlass::Kernel"),
     ("matmul", r"gemm|nvjet|sm90_xmma|cublas|cutlass|matmul|splitK"),
     ("conv", r"conv|implicit|winograd"),
@@ -121,8 +123,9 @@ def kernel_families(events) -> dict[str, float]:
 
 
 def print_profile(title: str, p: dict, rows: int) -> None:
-    print(f"\n=== {title}: eager {p['eager_ms']:.2f} ms, kernels {p['kernel_ms']:.2f} ms, graph replay "
-          f"{p['replay_ms']:.2f} ms, kernel launches {p['launches']}")
+    replay = "" if p["replay_ms"] is None else f", graph replay {p['replay_ms']:.2f} ms"
+    print(f"\n=== {title}: eager {p['eager_ms']:.2f} ms, kernels {p['kernel_ms']:.2f} ms{replay}, "
+          f"kernel launches {p['launches']}")
     for family, ms in kernel_families(p["events"]).items():
         print(f"  {family:>26}: {ms:8.2f} ms ({ms / p['kernel_ms']:.0%})")
     if rows:

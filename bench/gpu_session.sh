@@ -35,11 +35,11 @@ case "${1:?phase: encoder, decoder, tune-moe, compile, serve, e2e, e2e-one-encod
       || echo "GPU TESTS FAILED (see gpu-tests.txt)"
     python3 bench/graph_bench.py --out "$out" 2>&1 | tail -30
     ;;
-  decoder)  # the decoder's GPU tests, then the bench and profile with each experts kernel
+  decoder)  # the decoder's GPU tests, then the bench and profile with each experts kernel, and a prefill
     python3 -m pytest -q -rs -s -m gpu tests/test_decoder_model.py tests/test_engine.py 2>&1 \
       | tee "$out/gpu-tests-decoder.txt" | grep "moe kernels\|fused vs\|passed\|failed" || echo "DECODER GPU TESTS FAILED"
     python3 bench/decoder_bench.py --variants decode_graphs decode_graphs_grouped_mm --out "$out" 2>&1 | grep " c[0-9]*:"
-    python3 bench/profile_decoder.py --batch 64 256 --context 1280 --moe_kernel auto grouped_mm \
+    python3 bench/profile_decoder.py --batch 64 256 --context 1280 --moe_kernel auto grouped_mm --prefill 16 \
       > "$out/profile-decoder.txt" 2>&1; grep "===" "$out/profile-decoder.txt"
     ;;
   tune-moe)

@@ -69,17 +69,20 @@ def test_serve_bench_smoke(tmp_path):
 
 def test_kernel_families_name_our_kernels():
     """The profile tables' per-family totals: our Triton kernels counted as ours, not 'other'
-    (the paged attention's split kernel once was: 52% of a 256-sequence step filed as 'other')."""
+    (the paged attention's split kernel once was: 52% of a 256-sequence step filed as 'other';
+    the MoE kernels' first profile filed them there too)."""
     from types import SimpleNamespace
 
     from bench.common import kernel_families
     cuda = SimpleNamespace(name="CUDA")
     events = [SimpleNamespace(key=k, device_type=cuda, self_device_time_total=us) for k, us in [
         ("_split_kernel", 4000.0), ("_combine_kernel", 100.0), ("_relpos_attention_fwd_kernel", 50.0),
-        ("nvjet_sm90_tst_64x32_64x16_2x4_h_bz_TNT", 300.0), ("void at::native::radixSortKVInPlace", 30.0)]]
+        ("nvjet_sm90_tst_64x32_64x16_2x4_h_bz_TNT", 300.0), ("void at::native::radixSortKVInPlace", 30.0),
+        ("_gate_up_kernel", 76.0), ("_down_kernel", 52.0)]]
     events.append(SimpleNamespace(key="aten::mm", device_type=SimpleNamespace(name="CPU"),
                                   self_device_time_total=999.0))  # host-side rows are skipped
     families = kernel_families(events)
     assert families["paged attention (ours)"] == 4.1
     assert families["relpos attention (ours)"] == 0.05 and families["matmul"] == 0.3
+    assert families["moe experts (ours)"] == 0.128  # the MoE kernels once were 'other' too
     assert families["other"] == 0.03 and list(families)[0] == "paged attention (ours)"  # largest first
