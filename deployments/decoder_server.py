@@ -20,7 +20,7 @@ from decoder import (AsyncEngine, GenerationEngine, GenerationRequest, SamplingP
 
 from .config import PROBE_EVERY_S, STUCK_AFTER_S, AppConfig
 from .metrics import decoder_metrics
-from .model_source import (cap_gpu_memory, device_and_dtype, replica_id, resolve_checkpoint, startup_phases,
+from .model_source import (device_and_dtype, replica_id, resolve_checkpoint, start_cuda, startup_phases,
                            use_assigned_cpu_threads)
 from .protocol import Wire, from_wire
 
@@ -33,7 +33,7 @@ class DecoderServer:
     def __init__(self, config: AppConfig):
         constructor_start = time.perf_counter()
         use_assigned_cpu_threads()
-        cap_gpu_memory(config.gpu_memory_fraction("decoder"))
+        cuda = start_cuda(config.gpu_memory_fraction("decoder"))
         device, dtype = device_and_dtype()
         directory, self.model_label = resolve_checkpoint(config.checkpoint)
         start = time.perf_counter()
@@ -46,7 +46,7 @@ class DecoderServer:
                                                    decode_graphs=config.use_graphs,
                                                    kv_cache_gb=config.kv_cache_gb))
         # "graphs": the KV cache's allocation and the decode and sampler graphs' capture.
-        self.startup_s = startup_phases(constructor_start, weights=weights,
+        self.startup_s = startup_phases(constructor_start, cuda=cuda, weights=weights,
                                         tokenizer=loaded - start - weights,
                                         graphs=time.perf_counter() - loaded)
         self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)

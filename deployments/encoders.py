@@ -26,7 +26,7 @@ from encoder.preprocess import (DEFAULT_MAX_CROPS, MAX_CROPS_LIMIT, check_view_o
 
 from .config import PROBE_EVERY_S, STUCK_AFTER_S, AppConfig
 from .metrics import encoder_metrics
-from .model_source import (cap_gpu_memory, device_and_dtype, replica_id, resolve_checkpoint, startup_phases,
+from .model_source import (device_and_dtype, replica_id, resolve_checkpoint, start_cuda, startup_phases,
                            use_assigned_cpu_threads)
 from .protocol import Wire, from_wire, to_wire
 
@@ -84,9 +84,9 @@ class PathEncoder:
         self.path = path
         constructor_start = time.perf_counter()
         use_assigned_cpu_threads()
-        cap_gpu_memory(config.gpu_memory_fraction(path))
+        cuda = start_cuda(config.gpu_memory_fraction(path))
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{path}-encoder")
-        self.engine = self.worker.submit(self._load, config, constructor_start).result()
+        self.engine = self.worker.submit(self._load, config, constructor_start, cuda).result()
         self.runners = self.engine.paths  # this replica's paths' graphs
         # A batch's size in images for both paths (the planner cuts it to both paths' budgets).
         self.encode_batch.set_max_batch_size(self.runners[0].budgets.max_units)
@@ -95,7 +95,7 @@ class PathEncoder:
         self.busy_since: float | None = None  # when the batch on the worker thread started
         self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)
 
-    def _load(self, config: AppConfig, constructor_start: float) -> DualPathEncoder:
+    def _load(self, config: AppConfig, constructor_start: float, cuda: float) -> DualPathEncoder:
         device, dtype = device_and_dtype()
         directory, self.model_label = resolve_checkpoint(config.checkpoint)
         start = time.perf_counter()
@@ -105,7 +105,7 @@ class PathEncoder:
                                  max_graph_memory_gb=config.max_graph_memory_gb,
                                  paths=("global", "local") if self.path == "both" else (self.path,),
                                  compile=config.compile_encoder)
-        self.startup_s = startup_phases(constructor_start, weights=loaded - start,
+        self.startup_s = startup_phases(constructor_start, cuda=cuda, weights=loaded - start,
                                         graphs=time.perf_counter() - loaded)
         return engine
 

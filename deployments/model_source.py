@@ -83,10 +83,18 @@ def use_assigned_cpu_threads() -> None:
         torch.set_num_threads(int(threads))
 
 
-def cap_gpu_memory(fraction: float | None) -> None:
-    """Replicas sharing a GPU each cap their allocator (Ray isolates no GPU memory)."""
-    if fraction and torch.cuda.is_available():
+def start_cuda(fraction: float | None) -> float:
+    """Cap this replica's allocator to its share of a shared GPU (Ray isolates no GPU memory)
+    and create its CUDA context now: the seconds that took (0.0 without CUDA), a start-up phase
+    of its own, where the first weight copy would otherwise absorb it."""
+    if not torch.cuda.is_available():
+        return 0.0
+    start = time.perf_counter()
+    if fraction:
         torch.cuda.set_per_process_memory_fraction(fraction)
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def startup_phases(constructor_start: float, **seconds: float) -> dict[str, float]:
