@@ -145,10 +145,11 @@ def grouped_mm_loop(x, w, ends):
 class Experts(nn.Module):
     # "grouped_mm": gather, two grouped matmuls, SiLU, weighted index-add (the reference twin);
     # "triton": the two fused kernels of decoder/triton_moe.py (on CPU only under Triton's
-    # interpreter) for batches of up to TRITON_MAX_ROWS (token, choice) rows, decode steps: they
-    # measured 10-25% faster decode steps at 1-256 sequences on an H200
-    # (bench/results/decoder-moe-kernel-2026-12-02.json). Prefills, with hundreds of rows per
-    # expert, stay on the grouped matmuls, which tile large batches better.
+    # interpreter) for batches of up to TRITON_MAX_ROWS (token, choice) rows, decode steps: on
+    # an H200 they made decode steps 8-19% shorter at 1-256 sequences
+    # (bench/results/decoder-moe-kernel-2026-12-02.json). Larger batches (prefills) stay on the
+    # grouped matmuls: the tiles are tuned for decode batches, and measured only up to 4,096
+    # rows, where the kernels were still 1.24x faster (moe-kernel-tuning-2026-12-02.json).
     # "auto" (the default): "triton" for half-precision activations on CUDA, "grouped_mm"
     # elsewhere (fp32 models stay exact: Triton's fp32 dots round their inputs to TF32).
     kernel = "auto"
