@@ -56,9 +56,7 @@ def main(argv=None):
         x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
         logits = torch.randn(tokens, args.n_experts, device="cuda", generator=gen)
         weights, ids = logits.softmax(-1).topk(args.top_k, dim=-1)
-        keys, order = ids.flatten().to(torch.uint8).sort(stable=True)
-        ends = torch.searchsorted(keys, torch.arange(args.n_experts, device="cuda", dtype=torch.uint8),
-                                  right=True, out_int32=True)
+        order, ends = experts.sort_rows(ids)
         with torch.inference_mode():
             experts.kernel = "grouped_mm"
             reference = experts(x, weights, ids)

@@ -160,17 +160,22 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(args.n_experts, 2 * args.moe_intermediate, args.hidden))
         self.down_proj = nn.Parameter(torch.zeros(args.n_experts, args.hidden, args.moe_intermediate))
 
-    def forward(self, x, weights, experts):
-        """x [N, H]; weights, experts [N, k] -> sum_j weights[:, j] * expert_j(x)."""
-        n, k = experts.shape
-        # (token, choice) by expert. Ids below 256 sort as bytes: one radix pass instead of
-        # eight for int64 (stable, so the same permutation).
+    def sort_rows(self, experts):
+        """experts [N, k] -> (order [N * k]: the (token, choice) pairs sorted by expert, ends [E]
+        int32: where each expert's sorted rows end), as both implementations take them."""
+        # Ids below 256 sort as bytes: one radix pass instead of eight for int64 (stable, so
+        # the same permutation).
         key_dtype = torch.uint8 if self.gate_up_proj.shape[0] <= 256 else experts.dtype
         sorted_experts, order = experts.flatten().to(key_dtype).sort(stable=True)
         # Where each expert's rows end, read off the sorted ids on the device (bincount would
         # size its output from the data and so wait on the GPU every layer).
-        expert_ids = torch.arange(self.gate_up_proj.shape[0], device=x.device, dtype=key_dtype)
-        ends = torch.searchsorted(sorted_experts, expert_ids, right=True, out_int32=True)
+        expert_ids = torch.arange(self.gate_up_proj.shape[0], device=experts.device, dtype=key_dtype)
+        return order, torch.searchsorted(sorted_experts, expert_ids, right=True, out_int32=True)
+
+    def forward(self, x, weights, experts):
+        """x [N, H]; weights, experts [N, k] -> sum_j weights[:, j] * expert_j(x)."""
+        n, k = experts.shape
+        order, ends = self.sort_rows(experts)
         triton = self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda and x.element_size() == 2)
         if triton and n * k <= self.TRITON_MAX_ROWS:
             from .triton_moe import fused_experts  # Triton only where this path is asked for

@@ -96,10 +96,9 @@ for n, blocks in [(1, (16, 32, 32)), (5, (16, 16, 16)), (40, (16, 32, 32)), (40,
         reference = moe.experts(x, weights, experts)
         moe.experts.kernel = "triton"
         through_model = moe.experts(x, weights, experts)
-        keys = experts.flatten().to(torch.uint8).sort(stable=True)
-        ends = torch.searchsorted(keys.values, torch.arange(8, dtype=torch.uint8), right=True, out_int32=True)
+        order, ends = moe.experts.sort_rows(experts)
         tile = Tile(*blocks)
-        tuned = fused_experts(x, weights.flatten(), keys.indices, ends, moe.experts.gate_up_proj,
+        tuned = fused_experts(x, weights.flatten(), order, ends, moe.experts.gate_up_proj,
                               moe.experts.down_proj, args.top_k, tile, tile)
     rows = int(torch.bincount(experts.flatten(), minlength=8).max())
     print(n, blocks[0], rows, float((tuned - reference).abs().max()))
