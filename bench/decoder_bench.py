@@ -13,8 +13,11 @@ graphs, side by side. Writes <name>-<date>.json with a top-level `summary` (the 
 variant's). Variants: `eager`, `decode_graphs` (the default engine: paged-attention kernel),
 `decode_graphs_gather` (its reference attention), `decode_graphs_separate` (the released q/k/v
 and gate/up projections as separate matmuls: the packed ones' reference twin) and
-`decode_graphs_grouped_mm` (the routed experts of decode steps in grouped matmuls: the reference
-twin of decoder/triton_moe.py's fused kernels, which the engine runs). `--code DIR`
+`decode_graphs_grouped_mm` (the routed experts in grouped matmuls: the reference twin of
+decoder/triton_moe.py's fused kernels, which the engine runs) and
+`decode_graphs_prefill_grouped_mm` (fused kernels in decode steps only, prefills grouped);
+`decode_graphs_torch_rope` (RoPE and the KV-cache writes as torch ops, the reference twin of
+decoder/triton_rope.py). `--code DIR`
 imports the decoder package from DIR instead (an older checkout, for an A/B in one run on one
 machine).
 """
@@ -88,7 +91,8 @@ def main(argv=None):
     parser.add_argument("--name", default="decoder")
     parser.add_argument("--variants", nargs="+", default=["eager", "decode_graphs"],
                         choices=["eager", "decode_graphs", "decode_graphs_gather", "decode_graphs_separate",
-                                 "decode_graphs_grouped_mm"])
+                                 "decode_graphs_grouped_mm", "decode_graphs_prefill_grouped_mm",
+                                 "decode_graphs_torch_rope"])
     parser.add_argument("--code", help="import the decoder package from this directory")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per concurrency (median)")
     opts = parser.parse_args(argv)
@@ -96,11 +100,11 @@ def main(argv=None):
     if opts.code:
         sys.path.insert(0, os.path.abspath(opts.code))
     global random_decoder, DecoderArgs, GenerationEngine, GenerationRequest, SamplingParams
-    global CacheStep, IMAGE_TOKEN_ID, ByteTokenizer
+    global CacheStep, Experts, IMAGE_TOKEN_ID, ByteTokenizer
     from decoder.checkpoint import random_decoder
     from decoder.config import DecoderArgs
     from decoder.engine import GenerationEngine, GenerationRequest, SamplingParams
-    from decoder.model import CacheStep
+    from decoder.model import CacheStep, Experts
     from decoder.tokenizer import IMAGE_TOKEN_ID, ByteTokenizer
     print("decoder package:", os.path.dirname(sys.modules["decoder"].__file__), flush=True)
     args = DecoderArgs()
@@ -114,7 +118,7 @@ def main(argv=None):
     for i, name in enumerate(opts.variants):
         try:
             variants[name] = measure(model, tokenizer, args, embeds, max_len, name, opts.repeats,
-                                     prefill=i == 0)
+                                     prefill=True)
         except Exception as e:  # noqa: BLE001 - a failed variant is recorded, the rest stand
             variants[name] = {"error": f"{type(e).__name__}: {e}"}
             print(name, "failed:", variants[name]["error"], flush=True)
@@ -133,6 +137,11 @@ def measure(model, tokenizer, args, embeds, max_len, variant, repeats, prefill) 
         model.use_fused_projections(variant != "decode_graphs_separate")
     if hasattr(model, "use_moe_kernel"):
         model.use_moe_kernel("grouped_mm" if variant == "decode_graphs_grouped_mm" else "auto")
+        # Prefills (over 4,096 rows) on the grouped matmuls, decode steps fused: as before the
+        # prefill tiles (bench/tune_moe_kernel.py --prefill 1).
+        Experts.TRITON_MAX_ROWS = 4096 if variant == "decode_graphs_prefill_grouped_mm" else None
+    if hasattr(model, "use_rope_kernel"):
+        model.use_rope_kernel("torch" if variant == "decode_graphs_torch_rope" else "auto")
     start = time.perf_counter()
     warm = GenerationRequest([0, 5, 6], params=SamplingParams(max_tokens=4, ignore_eos=True))
     engine.generate([warm])  # warm-up; with graphs, the first step captures them all

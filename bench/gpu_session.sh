@@ -2,8 +2,9 @@
 # The GPU measurements of issue 14, one phase per call of under ten minutes, on one H200.
 #
 #   bash bench/gpu_session.sh encoder   # GPU tests (encoder, views, decoder), graph_bench
-#   bash bench/gpu_session.sh decoder   # decoder GPU tests, decoder_bench and profile, both experts kernels
-#   bash bench/gpu_session.sh tune-moe  # the fused MoE kernels' tiles (bench/tune_moe_kernel.py)
+#   bash bench/gpu_session.sh decoder   # decoder GPU tests, decoder_bench (prefill kernels against their
+#                                       # twins) and profile, both experts kernels
+#   bash bench/gpu_session.sh tune-moe  # the fused MoE kernels' tiles, decode and prefill (bench/tune_moe_kernel.py)
 #   bash bench/gpu_session.sh compile   # compile_bench --all_budgets twice (cold, warm cache), compile test
 #   bash bench/gpu_session.sh serve     # serve_bench (needs the Ray bundle)
 #   bash bench/gpu_session.sh e2e       # e2e_bench (needs the Ray bundle)
@@ -38,12 +39,14 @@ case "${1:?phase: encoder, decoder, tune-moe, compile, serve, e2e, e2e-one-encod
   decoder)  # the decoder's GPU tests, then the bench and profile with each experts kernel, and a prefill
     python3 -m pytest -q -rs -s -m gpu tests/test_decoder_model.py tests/test_engine.py 2>&1 \
       | tee "$out/gpu-tests-decoder.txt" | grep "moe kernels\|fused vs\|passed\|failed" || echo "DECODER GPU TESTS FAILED"
-    python3 bench/decoder_bench.py --variants decode_graphs decode_graphs_grouped_mm --out "$out" 2>&1 | grep " c[0-9]*:"
+    python3 bench/decoder_bench.py --variants decode_graphs decode_graphs_prefill_grouped_mm decode_graphs_torch_rope \
+      --out "$out" 2>&1 | grep " c[0-9]*:"
     python3 bench/profile_decoder.py --batch 64 256 --context 1280 --moe_kernel auto grouped_mm --prefill 16 \
       > "$out/profile-decoder.txt" 2>&1; grep "===" "$out/profile-decoder.txt"
     ;;
   tune-moe)
     python3 bench/tune_moe_kernel.py --out "$out" 2>&1 | grep -v "^ \|^{\|^}"
+    python3 bench/tune_moe_kernel.py --prefill 1 --out "$out" 2>&1 | grep -v "^ \|^{\|^}"
     ;;
   compile)
     export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache

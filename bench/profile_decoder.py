@@ -65,13 +65,14 @@ def main(argv=None):
                       f"(compile {compile_s:.0f} s)", flush=True)
         print_profile(f"batch {batch}, context {opts.context}, {kernel} attention, {moe} experts",
                       result, opts.rows)
-    if opts.prefill:  # prefills run the grouped-matmul experts (past Experts.TRITON_MAX_ROWS)
-        model.use_moe_kernel()
-        embeds = torch.randn(opts.prefill, opts.context, args.hidden, device="cuda", dtype=torch.bfloat16)
+    embeds = torch.randn(opts.prefill, opts.context, args.hidden, device="cuda", dtype=torch.bfloat16)
+    for moe in opts.moe_kernel if opts.prefill else ():  # the prefill tiles (triton_moe.PREFILL_ROWS)
+        model.use_moe_kernel(moe)
         with torch.inference_mode():
             result = profile_step(lambda: model(inputs_embeds=embeds, step=CacheStep(cache, slot=0),
                                                 last_only=True), 5, replay=False)
-        print_profile(f"prefill of {opts.prefill} prompts x {opts.context} tokens", result, opts.rows)
+        print_profile(f"prefill of {opts.prefill} prompts x {opts.context} tokens, {moe} experts",
+                      result, opts.rows)
 
 
 if __name__ == "__main__":

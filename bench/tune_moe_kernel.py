@@ -1,23 +1,25 @@
-"""Pick the fused MoE kernels' tiles on this GPU, and the batch up to which they beat the grouped
-matmuls.
+"""Pick the fused MoE kernels' tiles on this GPU, for decode steps and for prefills.
 
-    python bench/tune_moe_kernel.py [--out DIR]
+    python bench/tune_moe_kernel.py [--out DIR] [--prefill 1] [--write_tiles 1]
 
 One MoE layer at real DeepSeek-3B-MoE dims (64 experts, hidden 1,280, intermediate 896, top 6),
-bf16, random weights and routing, for 1 to 682 tokens (682 x 6 rows is the largest batch
-`Experts.TRITON_MAX_ROWS` lets through). Each kernel of decoder/triton_moe.py is timed over a
-grid of tiles (rows, columns and reduction step per program, warps, stages), ten launches in one
-CUDA graph (GPU time, no Python launch cost), checked against the grouped-matmul reference. The
-defaults are the tile with the least time summed over the decode batches (1 to 256 tokens),
-each kernel apart. Then the whole experts forward (sort, kernels) with those tiles against the
-grouped-matmul path, at every batch. Writes moe-kernel-tuning-<date>.json; prints the tiles to
-put in decoder/triton_moe.py.
+bf16, random weights and routing. Decode (the default): 1 to 682 tokens (682 x 6 rows stays
+under `triton_moe.PREFILL_ROWS`); --prefill 1: 1,024 to 16,384 tokens (the engine's prefill
+forwards: up to 16,384 tokens, 98,304 rows) over larger tiles, the down kernel with atomic adds
+and with stores and one sum. Each kernel of decoder/triton_moe.py is timed over its grid of
+tiles, ten launches in one CUDA graph (GPU time, no Python launch cost), checked against the
+grouped-matmul reference. The pick: the tile with the least time summed over the mode's batches
+(decode: 1 to 256 tokens), each kernel apart. Then the whole experts forward (sort, kernels)
+with those tiles against the grouped-matmul path, at every batch. Writes
+moe-kernel-tuning[-prefill]-<date>.json and prints the picked tiles; --write_tiles 1 also
+rewrites their two lines in decoder/triton_moe.py.
 """
 from __future__ import annotations
 
 import datetime
 import itertools
 import os
+import re
 import sys
 
 import torch
@@ -29,9 +31,22 @@ from decoder.model import Experts  # noqa: E402
 from decoder import triton_moe  # noqa: E402
 from decoder.triton_moe import Tile, down_combine, gate_up_silu  # noqa: E402
 
-TOKENS = (1, 16, 64, 128, 256, 384, 512, 682)
-DECODE_TOKENS = (1, 16, 64, 128, 256)  # the decode batches the defaults are chosen for
-GRID = [Tile(*t) for t in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4, 8), (3, 4))]
+DECODE = {
+    "tokens": (1, 16, 64, 128, 256, 384, 512, 682),
+    "picked_over": (1, 16, 64, 128, 256),  # the decode batches the tiles are chosen for
+    "gate_up": [Tile(*t) for t in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4, 8), (3, 4))],
+    "attributes": ("GATE_UP_TILE", "DOWN_TILE"),
+}
+DECODE["down"] = DECODE["gate_up"]
+_LARGE = list(itertools.product((64, 128), (64, 128), (32, 64), (4, 8), (3, 4)))
+PREFILL = {
+    "tokens": (1024, 4096, 16384),
+    "picked_over": (1024, 4096, 16384),
+    "gate_up": [Tile(*t) for t in _LARGE],
+    "down": [Tile(m, n, k, w, s, atomic) for atomic in (True, False)
+             for m, n, k, w, s in itertools.product((64, 128), (64, 128, 256), (64,), (4, 8), (3, 4))],
+    "attributes": ("PREFILL_GATE_UP_TILE", "PREFILL_DOWN_TILE"),
+}
 LAUNCHES = 10  # per graph: one replay's fixed cost spread thin
 
 
@@ -42,8 +57,23 @@ def per_launch_us(fn) -> float:
     return graph_replay_ms(ten, 20) * 1e3 / LAUNCHES
 
 
+def write_tiles(tiles: dict[str, Tile]) -> None:
+    """Rewrite `NAME = Tile(...)` in decoder/triton_moe.py for each picked tile."""
+    path = triton_moe.__file__
+    with open(path) as f:
+        source = f.read()
+    for name, tile in tiles.items():
+        fields = ", ".join(map(str, tile[:5])) + ("" if tile.atomic_add else ", atomic_add=False")
+        source, count = re.subn(rf"^{name} = Tile\(.*\)$", f"{name} = Tile({fields})", source, flags=re.M)
+        assert count == 1, f"{name} not found once in {path}"
+    with open(path, "w") as f:
+        f.write(source)
+    print("rewrote", ", ".join(tiles), "in", path)
+
+
 def main(argv=None):
-    opts = options(argv)
+    opts = options(argv, prefill=0, write_tiles=0)
+    mode = PREFILL if opts.prefill else DECODE
     args = DecoderArgs()
     gen = torch.Generator(device="cuda").manual_seed(0)
     experts = Experts(args).to("cuda", torch.bfloat16)
@@ -52,7 +82,7 @@ def main(argv=None):
             p.copy_(torch.randn(p.shape, device="cuda", generator=gen) * 0.02)
     weight_gb = sum(p.numel() * p.element_size() for p in experts.parameters()) / 1e9
     rows, totals = {}, {"gate_up": {}, "down": {}}
-    for tokens in TOKENS:
+    for tokens in mode["tokens"]:
         x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
         logits = torch.randn(tokens, args.n_experts, device="cuda", generator=gen)
         weights, ids = logits.softmax(-1).topk(args.top_k, dim=-1)
@@ -68,7 +98,7 @@ def main(argv=None):
             trials = {}
             for name, launch in kernels.items():
                 trials[name] = []
-                for tile in GRID:
+                for tile in mode[name]:
                     try:
                         out = (down_combine(launch(tile), order, ends, weights.flatten(), experts.down_proj,
                                             tokens, args.top_k) if name == "gate_up" else launch(tile))
@@ -78,7 +108,7 @@ def main(argv=None):
                         trials[name].append({**tile._asdict(), "error": repr(e)[:200]})
                         continue
                     trials[name].append({**tile._asdict(), "us": us, "rel_err": err})
-                    if err < 1e-2 and tokens in DECODE_TOKENS:
+                    if err < 1e-2 and tokens in mode["picked_over"]:
                         totals[name].setdefault(tile, {})[tokens] = us
             best = {name: min((t for t in ts if "us" in t and t["rel_err"] < 1e-2), key=lambda t: t["us"])
                     for name, ts in trials.items()}
@@ -88,14 +118,18 @@ def main(argv=None):
             flush=True)
     chosen = {}
     for name, by_tile in totals.items():
-        complete = {tile: sum(t.values()) for tile, t in by_tile.items() if len(t) == len(DECODE_TOKENS)}
+        complete = {tile: sum(t.values()) for tile, t in by_tile.items() if len(t) == len(mode["picked_over"])}
         chosen[name] = min(complete, key=complete.get)
-    print(f"defaults: GATE_UP_TILE = {chosen['gate_up']}, DOWN_TILE = {chosen['down']} "
-          f"(were {triton_moe.GATE_UP_TILE}, {triton_moe.DOWN_TILE})")
+    names = mode["attributes"]
+    print(f"picked: {names[0]} = {chosen['gate_up']}, {names[1]} = {chosen['down']} "
+          f"(were {getattr(triton_moe, names[0])}, {getattr(triton_moe, names[1])})")
+    if opts.write_tiles:
+        write_tiles({names[0]: chosen["gate_up"], names[1]: chosen["down"]})
     # The whole experts forward, as Experts.forward runs it, with the chosen tiles.
-    triton_moe.GATE_UP_TILE, triton_moe.DOWN_TILE = chosen["gate_up"], chosen["down"]
+    setattr(triton_moe, names[0], chosen["gate_up"])
+    setattr(triton_moe, names[1], chosen["down"])
     forward = {}
-    for tokens in TOKENS:
+    for tokens in mode["tokens"]:
         x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
         weights, ids = torch.randn(tokens, args.n_experts, device="cuda", generator=gen).softmax(-1).topk(args.top_k)
         times = {}
@@ -106,16 +140,19 @@ def main(argv=None):
         forward[str(tokens)] = {"grouped_mm_us": times["grouped_mm"], "triton_us": times["triton"],
                                 "speedup": times["grouped_mm"] / times["triton"],
                                 # as if every expert's weights were read (they are from ~64 tokens on)
-                                "all_weights_tb_per_s_triton": weight_gb * 1e3 / times["triton"]}
+                                "all_weights_tb_per_s_triton": weight_gb * 1e3 / times["triton"],
+                                "tflop_per_s_triton": 6 * tokens * args.top_k * args.hidden
+                                * args.moe_intermediate / times["triton"] / 1e6}
         print(f"experts forward, {tokens} tokens: grouped_mm {times['grouped_mm']:.1f} us, "
               f"triton {times['triton']:.1f} us ({forward[str(tokens)]['speedup']:.2f}x)", flush=True)
     summary = {"gate_up_tile": chosen["gate_up"]._asdict(), "down_tile": chosen["down"]._asdict(),
-               **{f"gate_up_us_{t}": totals["gate_up"][chosen["gate_up"]][t] for t in DECODE_TOKENS},
-               **{f"down_us_{t}": totals["down"][chosen["down"]][t] for t in DECODE_TOKENS},
-               **{f"forward_speedup_{t}": forward[str(t)]["speedup"] for t in TOKENS}}
-    write_result(opts.out, "moe-kernel-tuning",
+               **{f"gate_up_us_{t}": totals["gate_up"][chosen["gate_up"]][t] for t in mode["picked_over"]},
+               **{f"down_us_{t}": totals["down"][chosen["down"]][t] for t in mode["picked_over"]},
+               **{f"forward_speedup_{t}": forward[str(t)]["speedup"] for t in mode["tokens"]}}
+    write_result(opts.out, "moe-kernel-tuning-prefill" if opts.prefill else "moe-kernel-tuning",
                  {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
                   "torch": torch.__version__, "experts_weight_gb": weight_gb,
+                  "mode": "prefill" if opts.prefill else "decode",
                   "note": "each kernel's grid ran beside the module's tile of the other; the "
                           "forward comparison runs the chosen tiles",
                   "summary": summary, "forward": forward, "tokens": rows})

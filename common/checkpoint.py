@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -52,15 +53,17 @@ def checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
 
 
 def read_tensors(path, keep: Callable[[str], bool], device="cpu",
-                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+                 dtype: torch.dtype | None = None, timings: dict | None = None) -> dict[str, torch.Tensor]:
     """Read the tensors whose keys pass `keep`, opening each shard once; each goes to `device`
     (floating-point ones to `dtype` too) as it is read, so a GPU load holds one tensor at a time
-    on the host and packs its weights on the device (decoder/checkpoint.py), not in CPU memory."""
+    on the host and packs its weights on the device (decoder/checkpoint.py), not in CPU memory.
+    `timings` (a dict) receives the seconds spent reading from the files (`read`) and copying to
+    the device (`to_device`, waited for) and the gigabytes read (`gb`): start-up diagnostics."""
     by_file: dict[str, list[str]] = {}
     for key, file in checkpoint_files(path).items():
         if keep(key):
             by_file.setdefault(file, []).append(key)
-    tensors = {}
+    tensors, read_s, copy_s, nbytes = {}, 0.0, 0.0, 0
     for file, keys in by_file.items():
         with safe_open(file, "pt") as f:
             present = set(f.keys())
@@ -68,9 +71,19 @@ def read_tensors(path, keep: Callable[[str], bool], device="cpu",
             if absent:
                 raise CheckpointError(_listing(f"keys listed in the index are not in {file}", absent))
             for k in keys:
+                start = time.perf_counter()
                 t = f.get_tensor(k)
+                read = time.perf_counter()
                 cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
                 tensors[k] = t.to(device=device, dtype=cast)
+                read_s, copy_s = read_s + read - start, copy_s + time.perf_counter() - read
+                nbytes += t.numel() * t.element_size()
+    if timings is not None:
+        start = time.perf_counter()
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        timings.update(read=round(read_s, 2), to_device=round(copy_s + time.perf_counter() - start, 2),
+                       gb=round(nbytes / 1e9, 2))
     return tensors
 
 

@@ -71,12 +71,14 @@ def _is_language_key(key: str) -> bool:
     return key.startswith(LANGUAGE_PREFIXES)
 
 
-def load_decoder(path: str | os.PathLike, device="cpu", dtype=torch.float32) -> Decoder:
-    """The language model of a checkpoint directory, in eval mode."""
+def load_decoder(path: str | os.PathLike, device="cpu", dtype=torch.float32,
+                 timings: dict | None = None) -> Decoder:
+    """The language model of a checkpoint directory, in eval mode (`timings`: see
+    common.checkpoint.read_tensors)."""
     args = DecoderArgs.from_config(read_config(path))
     # Read straight onto the device: the weights are then packed there (on a GPU, ~6 GB of
     # copies at memory bandwidth instead of a host memcpy that cost seconds of start-up).
-    tensors = read_tensors(path, _is_language_key, device, dtype)
+    tensors = read_tensors(path, _is_language_key, device, dtype, timings=timings)
     check_state_dict(tensors, released_shapes(args), os.fspath(path))
     return build_decoder(args, tensors, device, dtype)
 

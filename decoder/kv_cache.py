@@ -123,6 +123,15 @@ class KVCache:
             paged = F.pad(new, (0, 0, 0, n * PAGE_TOKENS - t)).view(b, h, n, PAGE_TOKENS, d)
             cache[layer][pages] = paged.transpose(1, 2).reshape(b * n, h, PAGE_TOKENS, d)
 
+    def rope_and_write(self, layer: int, qkv, cos, sin, n_heads: int, first_row: int = 0,
+                       positions=None):
+        """RoPE and `write_prefill` (rows first_row.., positions 0..T-1) or `write_decode` (rows
+        0..S-1 at `positions`) in one kernel (decoder/triton_rope.py): qkv [B, T, 3 n d] the
+        packed projection -> rotated q and k [B, T, 2n, d], with k and v in the rows' pages."""
+        from .triton_rope import rope_and_write_cache
+        rows = self.table[first_row:first_row + qkv.shape[0]]
+        return rope_and_write_cache(qkv, cos, sin, self.k[layer], self.v[layer], rows, n_heads, positions)
+
     def write_decode(self, layer: int, positions, k, v) -> None:
         """k, v [S, H, d]: rows 0..S-1's new token at `positions` [S]."""
         rows = self.table[:positions.shape[0]]

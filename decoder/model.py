@@ -71,6 +71,11 @@ def packed_linear(x, weight, parts: int, fused: bool) -> tuple[torch.Tensor, ...
 
 class Attention(nn.Module):
     fused = True  # one q/k/v matmul and one RoPE call for q and k; False: the reference twin
+    # RoPE and the KV-cache write of a forward with a cache (packed projections): "triton", one
+    # kernel (decoder/triton_rope.py; on CPU only under Triton's interpreter); "torch",
+    # apply_rope and KVCache.write_prefill / write_decode (the reference twin); "auto" (the
+    # default): "triton" on CUDA.
+    rope_kernel = "auto"
 
     def __init__(self, args: DecoderArgs):
         super().__init__()
@@ -80,22 +85,32 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, layer: int, step: CacheStep | None):
         bsz, t, _ = x.shape
-        if self.fused:  # q's and k's heads rotated in one call, as [B, 2n, T, d]
-            qkv = F.linear(x, self.qkv_proj.weight).view(bsz, t, 3 * self.n_heads, self.head_dim)
-            qk = apply_rope(qkv[:, :, :2 * self.n_heads].transpose(1, 2), cos, sin)
-            q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
-            v = qkv[:, :, 2 * self.n_heads:].transpose(1, 2)
+        prefill = step is not None and step.slot is not None  # rows may be right-padded
+        if step is not None and self.fused and (self.rope_kernel == "triton"
+                                                or (self.rope_kernel == "auto" and x.is_cuda)):
+            qkv = F.linear(x, self.qkv_proj.weight)  # q and k rotated, k and v cached, in one pass
+            qk = step.cache.rope_and_write(layer, qkv, cos, sin, self.n_heads, first_row=step.slot or 0,
+                                           positions=None if prefill else step.positions)
+            q, k = qk[:, :, :self.n_heads].transpose(1, 2), qk[:, :, self.n_heads:].transpose(1, 2)
+            v = qkv.view(bsz, t, 3 * self.n_heads, self.head_dim)[:, :, 2 * self.n_heads:].transpose(1, 2)
         else:
-            q, k, v = (p.view(bsz, t, self.n_heads, self.head_dim).transpose(1, 2)
-                       for p in packed_linear(x, self.qkv_proj.weight, 3, False))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if step is None or step.slot is not None:  # whole sequence, causal
-            if step is not None:  # rows may be right-padded: causal rows never see the pads
+            if self.fused:  # q's and k's heads rotated in one call, as [B, 2n, T, d]
+                qkv = F.linear(x, self.qkv_proj.weight).view(bsz, t, 3 * self.n_heads, self.head_dim)
+                qk = apply_rope(qkv[:, :, :2 * self.n_heads].transpose(1, 2), cos, sin)
+                q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
+                v = qkv[:, :, 2 * self.n_heads:].transpose(1, 2)
+            else:
+                q, k, v = (p.view(bsz, t, self.n_heads, self.head_dim).transpose(1, 2)
+                           for p in packed_linear(x, self.qkv_proj.weight, 3, False))
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if prefill:
                 step.cache.write_prefill(layer, step.slot, k, v)
+            elif step is not None:
+                step.cache.write_decode(layer, step.positions, k[:, :, 0], v[:, :, 0])
+        if step is None or prefill:  # whole sequence, causal (causal rows never see the pads)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             out = out.transpose(1, 2).reshape(bsz, t, -1)
         else:  # one new token per running sequence
-            step.cache.write_decode(layer, step.positions, k[:, :, 0], v[:, :, 0])
             out = step.cache.attend(layer, q, step.positions, step.kv_len)
         return self.o_proj(out)
 
@@ -145,15 +160,14 @@ def grouped_mm_loop(x, w, ends):
 class Experts(nn.Module):
     # "grouped_mm": gather, two grouped matmuls, SiLU, weighted index-add (the reference twin);
     # "triton": the two fused kernels of decoder/triton_moe.py (on CPU only under Triton's
-    # interpreter) for batches of up to TRITON_MAX_ROWS (token, choice) rows, decode steps: on
-    # an H200 they made decode steps 8-19% shorter at 1-256 sequences
-    # (bench/results/decoder-moe-kernel-2026-12-02.json). Larger batches (prefills) stay on the
-    # grouped matmuls: the tiles are tuned for decode batches, and measured only up to 4,096
-    # rows, where the kernels were still 1.24x faster (moe-kernel-tuning-2026-12-02.json).
+    # interpreter), with decode tiles for decode steps and larger ones for prefills. On an
+    # H200 they made decode steps 8-19% shorter at 1-256 sequences
+    # (bench/results/decoder-moe-kernel-2026-12-02.json).
     # "auto" (the default): "triton" for half-precision activations on CUDA, "grouped_mm"
-    # elsewhere (fp32 models stay exact: Triton's fp32 dots round their inputs to TF32).
+    # elsewhere (fp32 models stay exact: Triton's fp32 dots round their inputs to TF32), and
+    # for batches past TRITON_MAX_ROWS (token, choice) rows when that is set (None: no limit).
     kernel = "auto"
-    TRITON_MAX_ROWS = 4096
+    TRITON_MAX_ROWS: int | None = None
 
     def __init__(self, args: DecoderArgs):
         super().__init__()
@@ -176,8 +190,9 @@ class Experts(nn.Module):
         """x [N, H]; weights, experts [N, k] -> sum_j weights[:, j] * expert_j(x)."""
         n, k = experts.shape
         order, ends = self.sort_rows(experts)
-        triton = self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda and x.element_size() == 2)
-        if triton and n * k <= self.TRITON_MAX_ROWS:
+        auto = (self.kernel == "auto" and x.is_cuda and x.element_size() == 2
+                and (self.TRITON_MAX_ROWS is None or n * k <= self.TRITON_MAX_ROWS))
+        if self.kernel == "triton" or auto:
             from .triton_moe import fused_experts  # Triton only where this path is asked for
             return fused_experts(x, weights.flatten(), order, ends, self.gate_up_proj, self.down_proj, k)
         token = order // k
@@ -250,6 +265,15 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, MLP)):
                 module.fused = on
+
+    def use_rope_kernel(self, kernel: str = "auto") -> None:
+        """RoPE and the KV-cache write in every layer: "torch" (the reference), "triton"
+        (decoder/triton_rope.py) or "auto" (the default: "triton" on CUDA)."""
+        if kernel not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernel must be 'auto', 'torch' or 'triton', got {kernel!r}")
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.rope_kernel = kernel
 
     def use_moe_kernel(self, kernel: str = "auto") -> None:
         """The routed experts' implementation in every MoE layer: "grouped_mm" (the reference),

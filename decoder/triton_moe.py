@@ -8,7 +8,8 @@ matmuls, SiLU, the multiply and the weighted index-add (about ten kernels a laye
      expert's gate and up slices once and stores SiLU(gate) * up (computed in fp32);
   2. `_down_kernel`: the same blocks over the hidden width; it multiplies each row by its
      routing weight and adds it into its token's fp32 output (atomic adds: the sum over a
-     token's experts).
+     token's experts), or, for large batches (prefills), stores it in the row's own place of
+     an fp32 [N, top_k, H] buffer that one sum then reduces (no atomics, contention-free).
 A program finds its expert from the experts' row ends (no padding pass): the grid is sized from
 shapes alone (at most one partial block per expert), so CUDA graphs can hold it, and programs
 past the last expert's rows return at once. The reference twin is the grouped-matmul path
@@ -27,12 +28,14 @@ import triton.language as tl
 
 class Tile(NamedTuple):
     """One kernel's tuning knobs: sorted rows, output columns and reduction step per program,
-    warps, software-pipelining stages."""
+    warps, software-pipelining stages; for the down kernel also how rows reach their token's
+    sum (atomic adds, or stores and one sum after)."""
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    atomic_add: bool = True
 
 
 # Picked by bench/tune_moe_kernel.py on an H200 (moe-kernel-tuning-2026-12-02.json): the least
@@ -40,6 +43,14 @@ class Tile(NamedTuple):
 # 64 tokens on. One row block covers a decode step's ~24 rows per expert at 256 sequences.
 GATE_UP_TILE = Tile(32, 64, 128)
 DOWN_TILE = Tile(32, 64, 64)
+# From PREFILL_ROWS sorted rows on (a prefill's thousands of rows per expert), picked by
+# bench/tune_moe_kernel.py --prefill 1 (moe-kernel-tuning-prefill-2026-12-02.json): the least
+# time summed over 1,024-16,384 tokens. The down kernel's stores beat its best atomic adds at
+# every size (738 against 1,096 us at 16,384 tokens); the experts forward reaches 384 TFLOP/s
+# there, 1.9x the grouped matmuls.
+PREFILL_ROWS = 4096
+PREFILL_GATE_UP_TILE = Tile(128, 128, 64, 8, 3)
+PREFILL_DOWN_TILE = Tile(128, 256, 64, 8, 4, atomic_add=False)
 
 
 @triton.jit
@@ -91,7 +102,8 @@ def _gate_up_kernel(X, W, ENDS, ORDER, OUT, hidden, inter, sx, sw_e, sw_n, so,
 @triton.jit
 def _down_kernel(A, W, ENDS, ORDER, ROUTE_W, OUT, inter, hidden, sa, sw_e, sw_n, so,
                  TOP_K: tl.constexpr, E: tl.constexpr, E_POW2: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ATOMIC_ADD: tl.constexpr):
     expert, rows, row_ok, pair, cols, col_ok = _program_tile(ENDS, ORDER, hidden, E, E_POW2, BLOCK_M, BLOCK_N)
     if expert < E:
         w = W + expert.to(tl.int64) * sw_e
@@ -104,8 +116,11 @@ def _down_kernel(A, W, ENDS, ORDER, ROUTE_W, OUT, inter, hidden, sa, sw_e, sw_n,
                              other=0.0)
             acc = tl.dot(a, w_down, acc)
         acc = acc * tl.load(ROUTE_W + pair, mask=row_ok, other=0.0)[:, None]
-        tl.atomic_add(OUT + (pair // TOP_K)[:, None] * so + cols[None, :], acc,
-                      mask=row_ok[:, None] & col_ok[None, :])
+        if ATOMIC_ADD:  # OUT [N, H]: this row's token
+            tl.atomic_add(OUT + (pair // TOP_K)[:, None] * so + cols[None, :], acc,
+                          mask=row_ok[:, None] & col_ok[None, :])
+        else:  # OUT [N * TOP_K, H]: this (token, choice) pair's own row
+            tl.store(OUT + pair[:, None] * so + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
 def _launch_meta(tile: Tile, top_k: int, experts: int) -> dict:
@@ -120,7 +135,8 @@ def _row_blocks(rows: int, experts: int, block_m: int) -> int:
 
 def gate_up_silu(x, order, ends, gate_up, top_k: int, tile: Tile | None = None) -> torch.Tensor:
     """SiLU(gate) * up of each sorted (token, choice) row under its expert: [N * top_k, I]."""
-    tile = tile or GATE_UP_TILE  # read at call time: bench/tune_moe_kernel.py sets it
+    # The module's tiles are read at call time: bench/tune_moe_kernel.py sets them.
+    tile = tile or (GATE_UP_TILE if order.numel() < PREFILL_ROWS else PREFILL_GATE_UP_TILE)
     experts, two_inter, hidden = gate_up.shape
     inter, rows = two_inter // 2, order.numel()
     act = torch.empty(rows, inter, device=x.device, dtype=x.dtype)
@@ -133,13 +149,16 @@ def gate_up_silu(x, order, ends, gate_up, top_k: int, tile: Tile | None = None) 
 def down_combine(act, order, ends, route_weights, down, tokens: int, top_k: int,
                  tile: Tile | None = None) -> torch.Tensor:
     """Each sorted row's down projection times its routing weight, summed per token: [N, H] fp32."""
-    tile = tile or DOWN_TILE
+    tile = tile or (DOWN_TILE if order.numel() < PREFILL_ROWS else PREFILL_DOWN_TILE)
     experts, hidden, inter = down.shape
-    out = torch.zeros(tokens, hidden, device=act.device, dtype=torch.float32)
+    if tile.atomic_add:
+        out = torch.zeros(tokens, hidden, device=act.device, dtype=torch.float32)
+    else:  # every (token, choice) row is stored: nothing to zero
+        out = torch.empty(tokens * top_k, hidden, device=act.device, dtype=torch.float32)
     _down_kernel[(_row_blocks(order.numel(), experts, tile.block_m), triton.cdiv(hidden, tile.block_n))](
         act, down, ends, order, route_weights, out, inter, hidden, act.stride(0), down.stride(0),
-        down.stride(1), out.stride(0), **_launch_meta(tile, top_k, experts))
-    return out
+        down.stride(1), out.stride(0), ATOMIC_ADD=tile.atomic_add, **_launch_meta(tile, top_k, experts))
+    return out if tile.atomic_add else out.view(tokens, top_k, hidden).sum(1)
 
 
 def fused_experts(x, route_weights, order, ends, gate_up, down, top_k: int,

@@ -36,8 +36,8 @@ class DecoderServer:
         cuda = start_cuda(config.gpu_memory_fraction("decoder"))
         device, dtype = device_and_dtype()
         directory, self.model_label = resolve_checkpoint(config.checkpoint)
-        start = time.perf_counter()
-        model = load_decoder(directory, device=device, dtype=dtype)
+        start, reads = time.perf_counter(), {}
+        model = load_decoder(directory, device=device, dtype=dtype, timings=reads)
         weights = time.perf_counter() - start
         tokenizer = load_tokenizer(directory if config.checkpoint else None)
         loaded = time.perf_counter()
@@ -47,6 +47,7 @@ class DecoderServer:
                                                    kv_cache_gb=config.kv_cache_gb))
         # "graphs": the KV cache's allocation and the decode and sampler graphs' capture.
         self.startup_s = startup_phases(constructor_start, cuda=cuda, weights=weights,
+                                        weights_read=reads["read"], weights_to_device=reads["to_device"],
                                         tokenizer=loaded - start - weights,
                                         graphs=time.perf_counter() - loaded)
         self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)

@@ -98,14 +98,15 @@ class PathEncoder:
     def _load(self, config: AppConfig, constructor_start: float, cuda: float) -> DualPathEncoder:
         device, dtype = device_and_dtype()
         directory, self.model_label = resolve_checkpoint(config.checkpoint)
-        start = time.perf_counter()
-        encoder = load_encoder(directory, device=device, dtype=dtype)
+        start, reads = time.perf_counter(), {}
+        encoder = load_encoder(directory, device=device, dtype=dtype, timings=reads)
         loaded = time.perf_counter()
         engine = DualPathEncoder(encoder, max_images=config.max_images, use_graphs=config.use_graphs,
                                  max_graph_memory_gb=config.max_graph_memory_gb,
                                  paths=("global", "local") if self.path == "both" else (self.path,),
                                  compile=config.compile_encoder)
         self.startup_s = startup_phases(constructor_start, cuda=cuda, weights=loaded - start,
+                                        weights_read=reads["read"], weights_to_device=reads["to_device"],
                                         graphs=time.perf_counter() - loaded)
         return engine
 

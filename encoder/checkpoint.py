@@ -27,10 +27,13 @@ def _is_vision_key(key: str) -> bool:
     return key.startswith(VISION_PREFIXES)
 
 
-def load_encoder(path: str | os.PathLike, device="cpu", dtype=torch.float32) -> DeepEncoder:
-    """Build the vision encoder from a checkpoint directory (released layout) in eval mode."""
+def load_encoder(path: str | os.PathLike, device="cpu", dtype=torch.float32,
+                 timings: dict | None = None) -> DeepEncoder:
+    """Build the vision encoder from a checkpoint directory (released layout) in eval mode
+    (`timings`: see common.checkpoint.read_tensors)."""
     args = EncoderArgs.from_config(read_config(path))
-    tensors = read_tensors(path, _is_vision_key, device)  # dtype later: position_ids are integers
+    # dtype later: position_ids are integers
+    tensors = read_tensors(path, _is_vision_key, device, timings=timings)
     position_ids = tensors.pop(POSITION_IDS, None)
     if position_ids is not None and not torch.equal(position_ids.flatten().long().cpu(),
                                                     torch.arange(position_ids.numel())):

@@ -185,6 +185,8 @@ def test_ready_reports_every_tier(limited):
         # each phase rounded to 10 ms on its own
         assert phases["process"] + 0.02 >= phases["constructor"]
         assert phases["constructor"] >= phases["cuda"] + phases["weights"] + phases["graphs"] - 0.03
+        # the weights' phase split into reading the files and copying to the device
+        assert 0 <= phases["weights_read"] + phases["weights_to_device"] <= phases["weights"] + 0.02
 
 
 def test_four_times_capacity_is_answered_or_refused_never_lost(limited):
