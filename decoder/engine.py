@@ -157,6 +157,7 @@ class GenerationEngine:
         self.use_decode_graphs = graphable if decode_graphs is None else decode_graphs
         self.decode_graphs = None
         self.sampler_graphs = None  # pick_tokens per batch bucket, captured with the decode graphs
+        self._warmed_prefill = False
         self.special_ids = frozenset(tokenizer.special_ids)
         self.waiting: deque[GenerationRequest] = deque()
         self.running: list[_Sequence] = []
@@ -215,7 +216,9 @@ class GenerationEngine:
 
     # -- one iteration ----------------------------------------------------------------------
     def prepare(self) -> None:
-        """Capture the decode graphs if they are on (the first `step` does it otherwise)."""
+        """Capture the decode graphs if they are on (the first `step` does it otherwise), and on
+        CUDA run one page-sized prefill: the prefill kernels' first launch compiles them (Triton:
+        ~2 s on a fresh node, which the first request would otherwise wait)."""
         if self.use_decode_graphs and self.decode_graphs is None:
             # Capture before any request holds a slot: warm-up and capture write into the cache.
             assert not self.running, "decode graphs are captured before the first prefill"
@@ -223,6 +226,15 @@ class GenerationEngine:
             self.decode_graphs = DecodeGraphs(self.model, self.cache, self.max_batch, self.max_len)
             self.sampler_graphs = SamplerGraphs(self.decode_graphs.batches,
                                                 self.model.args.vocab_size, self.model.device)
+        if self.model.device.type == "cuda" and not self._warmed_prefill:
+            assert not self.running, "the warm-up prefill runs before the first request"
+            # 1,024 tokens: past the MoE kernels' prefill rows (triton_moe.PREFILL_ROWS) and a
+            # page of RoPE positions per program. Row 0 holds no pages: it writes the scratch page.
+            embeds = torch.zeros(1, min(1024, self.max_len), self.model.args.hidden,
+                                 device=self.model.device, dtype=self.model.dtype)
+            with torch.inference_mode():
+                self.model(inputs_embeds=embeds, step=CacheStep(self.cache, slot=0), last_only=True)
+            self._warmed_prefill = True
 
     @torch.inference_mode()
     def step(self) -> list[Delta]:

@@ -23,7 +23,9 @@ import triton.language as tl
 from .kv_cache import PAGE_TOKENS
 
 
-@triton.jit
+# Not specialised on the lengths, which vary from call to call (each new value divisible by 16,
+# or 1, would otherwise compile the kernel again while a request waits).
+@triton.jit(do_not_specialize=["t_len", "blocks_per_row"])
 def _rope_cache_kernel(QKV, COS, SIN, START, QK, KC, VC, TABLE, t_len, blocks_per_row,
                        s_qkv_t, s_qk_t, s_cs_t, s_c_page, s_c_head, s_table,
                        N_HEADS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,

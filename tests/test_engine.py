@@ -523,3 +523,29 @@ def test_a_prefill_out_of_gpu_memory_is_retried_in_smaller_groups(model, tokeniz
     assert failures == [4] and engine.prefill_tokens == 2 * prompt  # then two groups of two
     assert [d.token_ids for d in got] == expected
     assert engine.cache.free_pages == engine.cache.num_pages
+
+
+@pytest.mark.gpu
+def test_no_request_waits_on_a_kernel_compile_after_prepare():
+    """After `prepare()` (decode graphs and the warm-up prefill), prefills of any length and any
+    number of rows launch only Triton kernels compiled already: a fresh node's first requests
+    never wait on a compile."""
+    from decoder import triton_moe, triton_rope
+    from decoder.checkpoint import random_decoder
+    from decoder.config import DecoderArgs
+    model = random_decoder(DecoderArgs(), device="cuda", dtype=torch.bfloat16)
+    engine = GenerationEngine(model, ByteTokenizer(), max_batch=16, max_len=2048)
+    engine.prepare()
+    kernels = (triton_moe._gate_up_kernel, triton_moe._down_kernel, triton_rope._rope_cache_kernel)
+
+    def compiled() -> int:  # each JIT function's compiled variants, over its device caches
+        return sum(len(cache[0]) for kernel in kernels for cache in kernel.device_caches.values())
+
+    before = compiled()
+    assert before >= 5  # decode tiles (graph capture), prefill tiles and RoPE (the warm-up)
+    for lengths in ((5,), (100, 999), (1000, 1024, 1001), (1600,)):
+        engine.generate([GenerationRequest([0] + [65 + i % 26 for i in range(n - 1)],
+                                           params=SamplingParams(max_tokens=2, ignore_eos=True))
+                         for n in lengths])
+    print(f"compiled kernel variants after prepare(): {before}, after prefills: {compiled()}")
+    assert compiled() == before
