@@ -269,20 +269,19 @@ class Decoder(nn.Module):
     def use_rope_kernel(self, kernel: str = "auto") -> None:
         """RoPE and the KV-cache write in every layer: "torch" (the reference), "triton"
         (decoder/triton_rope.py) or "auto" (the default: "triton" on CUDA)."""
-        if kernel not in ("auto", "torch", "triton"):
-            raise ValueError(f"kernel must be 'auto', 'torch' or 'triton', got {kernel!r}")
-        for module in self.modules():
-            if isinstance(module, Attention):
-                module.rope_kernel = kernel
+        self._set_kernel(Attention, "rope_kernel", kernel, ("auto", "torch", "triton"))
 
     def use_moe_kernel(self, kernel: str = "auto") -> None:
         """The routed experts' implementation in every MoE layer: "grouped_mm" (the reference),
         "triton" (decoder/triton_moe.py) or "auto" (the default: "triton" on CUDA in bf16)."""
-        if kernel not in ("auto", "grouped_mm", "triton"):
-            raise ValueError(f"kernel must be 'auto', 'grouped_mm' or 'triton', got {kernel!r}")
+        self._set_kernel(Experts, "kernel", kernel, ("auto", "grouped_mm", "triton"))
+
+    def _set_kernel(self, module_type, attribute: str, kernel: str, allowed: tuple[str, ...]) -> None:
+        if kernel not in allowed:
+            raise ValueError(f"kernel must be one of {', '.join(map(repr, allowed))}, got {kernel!r}")
         for module in self.modules():
-            if isinstance(module, Experts):
-                module.kernel = kernel
+            if isinstance(module, module_type):
+                setattr(module, attribute, kernel)
 
     def embed(self, input_ids):
         return self.model.embed_tokens(input_ids)

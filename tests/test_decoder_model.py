@@ -8,7 +8,7 @@ import torch
 from common.checkpoint import SINGLE_FILE
 from decoder.checkpoint import load_decoder, released_shapes
 from decoder.config import DecoderArgs
-from decoder.model import Decoder, Experts, grouped_mm, grouped_mm_loop
+from decoder.model import Attention, Decoder, Experts, grouped_mm, grouped_mm_loop
 from deployments.model_source import write_random_model
 from encoder import CheckpointError, EncoderArgs
 from tests.conftest import run_in_triton_interpreter
@@ -171,31 +171,22 @@ def test_rope_kernel_equals_rope_and_cache_writes_in_triton_interpreter():
     assert errors.keys() == {"logits", "k", "v"}, stdout
 
 
-def test_rope_kernel_switch():
+@pytest.mark.parametrize("switch, module_type, attribute, other, unknown", [
+    ("use_rope_kernel", Attention, "rope_kernel", "torch", "cuda"),
+    ("use_moe_kernel", Experts, "kernel", "triton", "cutlass")])
+def test_kernel_switches(switch, module_type, attribute, other, unknown):
     with torch.device("meta"):
         model = Decoder(REF_ARGS)
-    attention = [m.self_attn for m in model.model.layers]
-    assert all(a.rope_kernel == "auto" for a in attention)
-    model.use_rope_kernel("torch")
-    assert all(a.rope_kernel == "torch" for a in attention)
-    model.use_rope_kernel()
-    assert all(a.rope_kernel == "auto" for a in attention)
+    modules = [m for m in model.modules() if isinstance(m, module_type)]
+    # attention in every layer; experts in every layer but the dense first
+    assert len(modules) == REF_ARGS.n_layers - (module_type is Experts)
+    assert all(getattr(m, attribute) == "auto" for m in modules)
+    getattr(model, switch)(other)
+    assert all(getattr(m, attribute) == other for m in modules)
+    getattr(model, switch)()
+    assert all(getattr(m, attribute) == "auto" for m in modules)
     with pytest.raises(ValueError, match="kernel must be"):
-        model.use_rope_kernel("cuda")
-
-
-def test_moe_kernel_switch():
-    with torch.device("meta"):
-        model = Decoder(REF_ARGS)
-    experts = [m for m in model.modules() if isinstance(m, Experts)]
-    assert len(experts) == REF_ARGS.n_layers - 1  # every layer but the dense first
-    assert all(e.kernel == "auto" for e in experts)
-    model.use_moe_kernel("triton")
-    assert all(e.kernel == "triton" for e in experts)
-    model.use_moe_kernel()
-    assert all(e.kernel == "auto" for e in experts)
-    with pytest.raises(ValueError, match="kernel must be"):
-        model.use_moe_kernel("cutlass")
+        getattr(model, switch)(unknown)
 
 
 def test_grouped_mm_matches_a_loop():
