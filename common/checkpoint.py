@@ -8,6 +8,7 @@ written in the same layout.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -57,16 +58,20 @@ def read_tensors(path, keep: Callable[[str], bool], device="cpu",
     """Read the tensors whose keys pass `keep`, opening each shard once; each goes to `device`
     (floating-point ones to `dtype` too) as it is read, so a GPU load holds one tensor at a time
     on the host and packs its weights on the device (decoder/checkpoint.py), not in CPU memory.
-    `timings` (a dict) receives the seconds spent reading from the files (`read`) and copying to
-    the device (`to_device`, waited for) and the gigabytes read (`gb`): start-up diagnostics."""
+    `timings` (a dict) receives the seconds spent finding and opening the files (`open`),
+    reading from them (`read`) and copying to the device (`to_device`, waited for) and the
+    gigabytes read (`gb`): start-up diagnostics."""
+    start = time.perf_counter()
     by_file: dict[str, list[str]] = {}
     for key, file in checkpoint_files(path).items():
         if keep(key):
             by_file.setdefault(file, []).append(key)
-    tensors, read_s, copy_s, nbytes = {}, 0.0, 0.0, 0
+    tensors, open_s, read_s, copy_s, nbytes = {}, time.perf_counter() - start, 0.0, 0.0, 0
     for file, keys in by_file.items():
+        start = time.perf_counter()
         with safe_open(file, "pt") as f:
             present = set(f.keys())
+            open_s += time.perf_counter() - start
             absent = [k for k in keys if k not in present]
             if absent:
                 raise CheckpointError(_listing(f"keys listed in the index are not in {file}", absent))
@@ -82,8 +87,8 @@ def read_tensors(path, keep: Callable[[str], bool], device="cpu",
         start = time.perf_counter()
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize()
-        timings.update(read=round(read_s, 2), to_device=round(copy_s + time.perf_counter() - start, 2),
-                       gb=round(nbytes / 1e9, 2))
+        timings.update(open=round(open_s, 2), read=round(read_s, 2),
+                       to_device=round(copy_s + time.perf_counter() - start, 2), gb=round(nbytes / 1e9, 2))
     return tensors
 
 
@@ -105,10 +110,32 @@ def check_state_dict(found: dict[str, torch.Tensor], expected: dict[str, torch.S
         raise CheckpointError(f"checkpoint {where} does not match the model:\n" + "\n".join(problems))
 
 
+@contextlib.contextmanager
+def _initialisers_skipped():
+    """torch.nn.init's in-place initialisers as no-ops while a module is built on the meta
+    device, where they compute nothing anyway: nn.Embedding's normal_ on a meta tensor imports
+    torch._dynamo (~900 modules, sympy among them: 1.2-1.8 s on a 2-core VM), which every GPU
+    replica paid while loading its weights."""
+    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
+def meta_module(make):
+    """`make()` on the meta device: shapes without storage and without initialising."""
+    with torch.device("meta"), _initialisers_skipped():
+        return make()
+
+
 def build_module(make, state: dict[str, torch.Tensor], device, dtype):
     """`make()` on the meta device (no init cost), then the given weights, strictly, in eval mode."""
-    with torch.device("meta"):
-        model = make()
+    model = meta_module(make)
     model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()},
                           strict=True, assign=True)
     return model.eval().requires_grad_(False)

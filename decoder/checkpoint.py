@@ -10,6 +10,7 @@ of a checkpoint follow the same rules and errors.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -74,13 +75,19 @@ def _is_language_key(key: str) -> bool:
 def load_decoder(path: str | os.PathLike, device="cpu", dtype=torch.float32,
                  timings: dict | None = None) -> Decoder:
     """The language model of a checkpoint directory, in eval mode (`timings`: see
-    common.checkpoint.read_tensors)."""
+    common.checkpoint.read_tensors; `build` is the rest: checks, packing, the module)."""
     args = DecoderArgs.from_config(read_config(path))
     # Read straight onto the device: the weights are then packed there (on a GPU, ~6 GB of
     # copies at memory bandwidth instead of a host memcpy that cost seconds of start-up).
     tensors = read_tensors(path, _is_language_key, device, dtype, timings=timings)
+    start = time.perf_counter()
     check_state_dict(tensors, released_shapes(args), os.fspath(path))
-    return build_decoder(args, tensors, device, dtype)
+    decoder = build_decoder(args, tensors, device, dtype)
+    if timings is not None:
+        if decoder.device.type == "cuda":
+            torch.cuda.synchronize()
+        timings["build"] = round(time.perf_counter() - start, 2)
+    return decoder
 
 
 def build_decoder(args: DecoderArgs, tensors: dict[str, torch.Tensor], device, dtype) -> Decoder:

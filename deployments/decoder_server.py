@@ -47,7 +47,7 @@ class DecoderServer:
                                                    kv_cache_gb=config.kv_cache_gb))
         # "graphs": the KV cache's allocation and the decode and sampler graphs' capture.
         self.startup_s = startup_phases(constructor_start, cuda=cuda, weights=weights,
-                                        weights_read=reads["read"], weights_to_device=reads["to_device"],
+                                        **{f"weights_{k}": v for k, v in reads.items() if k != "gb"},
                                         tokenizer=loaded - start - weights,
                                         graphs=time.perf_counter() - loaded)
         self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)

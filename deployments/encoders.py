@@ -106,7 +106,7 @@ class PathEncoder:
                                  paths=("global", "local") if self.path == "both" else (self.path,),
                                  compile=config.compile_encoder)
         self.startup_s = startup_phases(constructor_start, cuda=cuda, weights=loaded - start,
-                                        weights_read=reads["read"], weights_to_device=reads["to_device"],
+                                        **{f"weights_{k}": v for k, v in reads.items() if k != "gb"},
                                         graphs=time.perf_counter() - loaded)
         return engine
 

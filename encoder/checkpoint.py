@@ -7,11 +7,12 @@ module reads only the vision keys; the language keys (`model.embed_tokens`, `mod
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
-from common.checkpoint import (CheckpointError, build_module, check_state_dict, random_state_dict,
-                               read_config, read_tensors, save_checkpoint)
+from common.checkpoint import (CheckpointError, build_module, check_state_dict, meta_module,
+                               random_state_dict, read_config, read_tensors, save_checkpoint)
 
 from .config import EncoderArgs
 from .model import DeepEncoder
@@ -30,16 +31,20 @@ def _is_vision_key(key: str) -> bool:
 def load_encoder(path: str | os.PathLike, device="cpu", dtype=torch.float32,
                  timings: dict | None = None) -> DeepEncoder:
     """Build the vision encoder from a checkpoint directory (released layout) in eval mode
-    (`timings`: see common.checkpoint.read_tensors)."""
+    (`timings`: see common.checkpoint.read_tensors; `build` is the rest, checks included)."""
     args = EncoderArgs.from_config(read_config(path))
     # dtype later: position_ids are integers
     tensors = read_tensors(path, _is_vision_key, device, timings=timings)
+    start = time.perf_counter()
     position_ids = tensors.pop(POSITION_IDS, None)
     if position_ids is not None and not torch.equal(position_ids.flatten().long().cpu(),
                                                     torch.arange(position_ids.numel())):
         raise CheckpointError(f"checkpoint {os.fspath(path)}: {POSITION_IDS} is not 0..N-1")
     check_state_dict(tensors, vision_shapes(args), os.fspath(path))
-    return _build(args, tensors, device, dtype)
+    encoder = _build(args, tensors, device, dtype)
+    if timings is not None:
+        timings["build"] = round(time.perf_counter() - start, 2)
+    return encoder
 
 
 def random_encoder(args: EncoderArgs, device="cpu", dtype=torch.float32, seed: int = 0) -> DeepEncoder:
@@ -54,8 +59,7 @@ def _build(args: EncoderArgs, tensors: dict[str, torch.Tensor], device, dtype) -
 
 
 def vision_shapes(args: EncoderArgs) -> dict[str, torch.Size]:
-    with torch.device("meta"):
-        model = DeepEncoder(args)
+    model = meta_module(lambda: DeepEncoder(args))
     return {f"model.{k}": v.shape for k, v in model.state_dict().items()}
 
 

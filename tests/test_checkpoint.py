@@ -175,3 +175,34 @@ def test_loads_onto_the_gpu_equal_loads_on_the_cpu(tmp_path):
         assert on_gpu.keys() == on_cpu.keys()
         for key, value in on_cpu.items():
             assert on_gpu[key].is_cuda and torch.equal(on_gpu[key].cpu(), value), key
+
+
+LOAD_WITHOUT_THE_COMPILER = """
+import sys
+import torch
+from deployments.model_source import write_random_model
+from decoder.checkpoint import load_decoder
+from encoder.checkpoint import load_encoder
+path = write_random_model(sys.argv[1])
+timings = {}
+load_encoder(path, timings=timings), load_decoder(path, timings=timings)
+assert timings.keys() == {"open", "read", "to_device", "gb", "build"}, timings
+print("torch._dynamo" in sys.modules)
+weights = torch.zeros(1000)
+torch.nn.init.normal_(weights)  # the initialisers are themselves again
+print(bool(weights.std() > 0.5))
+"""
+
+
+def test_loading_imports_no_compiler_and_leaves_the_initialisers_working(tmp_path):
+    """Modules are built on the meta device with torch.nn.init skipped: there nn.Embedding's
+    normal_ imports torch._dynamo (~900 modules, 1-2 s of every replica's start-up). A fresh
+    interpreter loads both halves without importing it, and the initialisers work after."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_THE_COMPILER, str(tmp_path / "ckpt")],
+                         env=dict(os.environ, PYTHONPATH=root), cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["False", "True"], run.stdout
