@@ -12,7 +12,8 @@ requests in flight, each generating 700 tokens (max_tokens 700; the random model
 early). Reports pages/s, generated tokens/s, p50 / p99 latency per concurrency and the cold
 start (from `serve run` to the first answered page, sent as soon as a Router answers /health,
 and to the first 200 of /ready; `serve run` with RAY_preload_python_modules set, as
-cluster.yaml's workers have it, unless --no_preload). Writes e2e-<date>.json (top-level `summary`),
+cluster.yaml's workers have it, unless --no_preload, and an empty Triton kernel cache, as a fresh
+node has, unless --warm_triton_cache). Writes e2e-<date>.json (top-level `summary`),
 e2e-<date>.png (pages/s and p50 / p99 against concurrency) and e2e-<date>-startup.log (`serve
 run`'s log up to the first answered page: Ray's, Serve's and each replica's start-up, timed).
 """
@@ -151,6 +152,9 @@ def main(argv=None) -> None:
                         "written there unless it has one already (runs in one session share it)")
     parser.add_argument("--no_preload", action="store_true", help="Ray's workers do not import "
                         "the app's modules ahead (RAY_preload_python_modules unset)")
+    parser.add_argument("--warm_triton_cache", action="store_true", help="`serve run` keeps this "
+                        "machine's Triton kernel cache (default: an empty one, as on a fresh node, so "
+                        "the cold start includes compiling the app's kernels)")
     opts = parser.parse_args(argv)
     work = tempfile.mkdtemp(prefix="e2e-")
     checkpoint, levels, max_tokens = None, tuple(int(c) for c in opts.levels.split(",")), GENERATED
@@ -180,6 +184,8 @@ def main(argv=None) -> None:
     env.pop("RAY_preload_python_modules", None)
     if not opts.no_preload:
         env["RAY_preload_python_modules"] = PRELOAD_MODULES
+    if not opts.warm_triton_cache:
+        env["TRITON_CACHE_DIR"] = os.path.join(work, "triton-cache")
     started = time.perf_counter()
     server = subprocess.Popen(serve_run, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
                               stdin=subprocess.DEVNULL, start_new_session=True)
@@ -225,6 +231,7 @@ def main(argv=None) -> None:
         "setup": {"config": f"deployments/configs/{opts.config}" if not opts.smoke else "cpu-tiny.yaml",
                   "overrides": OVERRIDES, "routers": opts.routers, "page": "1191x1684 PNG (text-like, distinct)",
                   "preload_modules": None if opts.no_preload else PRELOAD_MODULES,
+                  "triton_cache": "this machine's" if opts.warm_triton_cache else "empty (a fresh node's)",
                   "max_tokens": max_tokens, "requests_per_level": counts,
                   "weights": "random, real dims" if not opts.smoke else "tiny random"},
         "summary": summary, "concurrency": rows, "tiers": stats})

@@ -73,9 +73,10 @@ case "${1:?phase: encoder, decoder, tune-moe, compile, serve, e2e, e2e-one-encod
     # the app's modules, each with an empty Triton kernel cache (a fresh node), then preloading
     # with the Triton cache the previous run left (a node that has served before).
     ray_bundle
+    export TRITON_CACHE_DIR="$(mktemp -d)"  # the warm run reuses what the runs before left
     for run in nopreload preload preload-warm-triton; do
-      [ "$run" = preload-warm-triton ] || export TRITON_CACHE_DIR="$(mktemp -d)"
-      flag=""; [ "$run" = nopreload ] && flag="--no_preload"
+      flag="--warm_triton_cache"; [ "$run" = preload-warm-triton ] || rm -rf "$TRITON_CACHE_DIR"/*
+      [ "$run" = nopreload ] && flag="$flag --no_preload"
       python3 bench/e2e_bench.py --levels 1 --name "e2e-startup-$run" --checkpoint /tmp/e2e-ckpt $flag \
         --out "$out" 2>&1 | grep "cold start\|c1:\|checkpoint\|Error" | tail -5 || echo "$run FAILED"
     done
