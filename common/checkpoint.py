@@ -110,21 +110,27 @@ def check_state_dict(found: dict[str, torch.Tensor], expected: dict[str, torch.S
         raise CheckpointError(f"checkpoint {where} does not match the model:\n" + "\n".join(problems))
 
 
+def _skipping_meta(initialiser):
+    def initialise(tensor, *args, **kwargs):
+        return tensor if tensor.is_meta else initialiser(tensor, *args, **kwargs)
+    return initialise
+
+
 @contextlib.contextmanager
 def _initialisers_skipped():
-    """torch.nn.init's in-place initialisers as no-ops while a module is built on the meta
-    device, where they compute nothing anyway: nn.Embedding's normal_ on a meta tensor imports
-    torch._dynamo (~900 modules, sympy among them: 1.2-1.8 s on a 2-core VM), which every GPU
-    replica paid while loading its weights."""
+    """torch.nn.init's in-place initialisers skip meta tensors while a module is built on the
+    meta device, where they compute nothing anyway: nn.Embedding's normal_ on a meta tensor
+    imports torch._dynamo (~900 modules, sympy among them: 1.2-1.8 s on a 2-core VM), which every
+    GPU replica paid while loading its weights. Real tensors (another thread's) still initialise."""
     names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
     saved = {n: getattr(torch.nn.init, n) for n in names}
     try:
-        for n in names:
-            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        for n, initialiser in saved.items():
+            setattr(torch.nn.init, n, _skipping_meta(initialiser))
         yield
     finally:
-        for n, f in saved.items():
-            setattr(torch.nn.init, n, f)
+        for n, initialiser in saved.items():
+            setattr(torch.nn.init, n, initialiser)
 
 
 def meta_module(make):
