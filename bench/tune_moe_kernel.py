@@ -38,11 +38,10 @@ DECODE = {
     "attributes": ("GATE_UP_TILE", "DOWN_TILE"),
 }
 DECODE["down"] = DECODE["gate_up"]
-_LARGE = list(itertools.product((64, 128), (64, 128), (32, 64), (4, 8), (3, 4)))
 PREFILL = {
     "tokens": (1024, 4096, 16384),
     "picked_over": (1024, 4096, 16384),
-    "gate_up": [Tile(*t) for t in _LARGE],
+    "gate_up": [Tile(*t) for t in itertools.product((64, 128), (64, 128), (32, 64), (4, 8), (3, 4))],
     "down": [Tile(m, n, k, w, s, atomic) for atomic in (True, False)
              for m, n, k, w, s in itertools.product((64, 128), (64, 128, 256), (64,), (4, 8), (3, 4))],
     "attributes": ("PREFILL_GATE_UP_TILE", "PREFILL_DOWN_TILE"),
