@@ -7,7 +7,7 @@ scatters them; a decode step scatters one position per row): about ten passes ov
 activations a layer (~9 ms of a 16 x 1,000-token prefill on an H200) and five kernels a layer in
 a decode step. Here a program takes up to PAGE_TOKENS consecutive positions of one row and one
 head: it reads q, k and v from the projection's output once, writes rotated q and k token-major
-([B, T, 2n, d], the layout attention reads through a transposed view) and rotated k and v
+([B, T, 2n, d], the layout attention reads through a transposed view) and k (rotated) and v
 straight into the row's pages. Rows start at position 0 (a prefill) or at their own position (a
 decode step's one token); positions past a row's pages go to the scratch page, as in the
 reference. Numerics: the reference's roundings are kept (x * cos rounded to the activation dtype
