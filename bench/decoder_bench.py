@@ -7,8 +7,8 @@ Real DeepSeek-3B-MoE dims, random weights, bf16. Each request: a 1,000-token pro
 are image placeholders (a 2x3 page; embeddings random) and exactly 512 generated tokens
 (`ignore_eos`), greedy with the default no-repeat-n-gram rule. Reports generated tokens/s per
 concurrency (all requests submitted together; prefills included; the median of --repeats runs),
-the median decode step, the time spent while prompts wait to be prefilled,
-each variant's prefill time of one prompt and peak memory, for the eager engine and with decode-step CUDA
+the median decode step, the time spent while prompts wait to be prefilled, each variant's
+prefill time of one prompt and peak memory, for the eager engine and with decode-step CUDA
 graphs, side by side. Writes <name>-<date>.json with a top-level `summary` (the decode-graph
 variant's). Variants: `eager`, `decode_graphs` (the default engine: paged-attention kernel),
 `decode_graphs_gather` (its reference attention), `decode_graphs_separate` (the released q/k/v
