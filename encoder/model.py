@@ -15,7 +15,8 @@ from torch import nn
 
 from .config import EncoderArgs
 from .preprocess import normalize
-from .relpos_attention import default_impl, relpos_attention
+from .relpos_attention import (default_impl, relpos_attention, windowed_relpos_attention,
+                               windows_in_kernel)
 
 
 def interpolate_grid(table: torch.Tensor, size: int) -> torch.Tensor:
@@ -54,11 +55,17 @@ class SamAttention(nn.Module):
         self.rel_pos_w = nn.Parameter(torch.zeros(2 * grid - 1, head_dim))
         self.impl = default_impl()
 
-    def forward(self, x):
+    def forward(self, x, window: int = 0):
+        """x [B, H, W, C] -> [B, H, W, C]: attention over x's grid, or with `window` in window x
+        window tiles of it, addressed in place by the Triton kernels (`windows_in_kernel`)."""
         bsz, h, w, c = x.shape
         qkv = self.qkv(x).reshape(bsz, h * w, 3, self.heads, c // self.heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # [B, n, HW, C/n] each
-        out = relpos_attention(q, k, v, self.rel_pos_h, self.rel_pos_w, (h, w), self.impl)
+        if window:
+            out = windowed_relpos_attention(q, k, v, self.rel_pos_h, self.rel_pos_w, window, (h, w),
+                                            self.qkv.bias)
+        else:
+            out = relpos_attention(q, k, v, self.rel_pos_h, self.rel_pos_w, (h, w), self.impl)
         return self.proj(out.transpose(1, 2).reshape(bsz, h, w, c))
 
 
@@ -99,7 +106,9 @@ class SamBlock(nn.Module):
 
     def forward(self, x):
         h = self.norm1(x)
-        if self.window:
+        if self.window and windows_in_kernel(h, self.attn.rel_pos_h.shape[-1], self.attn.impl):
+            h = self.attn(h, window=self.window)
+        elif self.window:
             hw = h.shape[1:3]
             # Padded tokens stay in the windows as zero vectors and are attended to, as upstream.
             h, padded = window_partition(h, self.window)

@@ -37,8 +37,8 @@ def default_impl() -> str:
     return impl
 
 
-def get_rel_pos(size: int, rel_pos: torch.Tensor) -> torch.Tensor:
-    """Relative-position table [size(q), size(k), C] for a query/key axis of `size` positions.
+def rel_table(size: int, rel_pos: torch.Tensor) -> torch.Tensor:
+    """The [2*size-1, C] table of one axis: row d is the offset qi - ki = d - (size - 1).
 
     Tables are stored for one length (2*14-1 windowed, 2*64-1 global); other grids (a global
     block on a 40x40 crop needs 79) linearly interpolate it in fp32, as SAM's `get_rel_pos`.
@@ -47,7 +47,12 @@ def get_rel_pos(size: int, rel_pos: torch.Tensor) -> torch.Tensor:
     if rel_pos.shape[0] != length:
         resized = F.interpolate(rel_pos.float().t()[None], size=length, mode="linear")
         rel_pos = resized[0].t().to(rel_pos.dtype)
-    return rel_pos[_relative_index(size, rel_pos.device)]
+    return rel_pos
+
+
+def get_rel_pos(size: int, rel_pos: torch.Tensor) -> torch.Tensor:
+    """Relative-position table [size(q), size(k), C] for a query/key axis of `size` positions."""
+    return rel_table(size, rel_pos)[_relative_index(size, rel_pos.device)]
 
 
 @functools.cache
@@ -83,31 +88,63 @@ def _key_onehots(hw: tuple[int, int], device, dtype):
 
 
 @functools.cache
-def _triton_op():
-    """The Triton kernel's custom op, or None where Triton is missing or switched off."""
+def _triton():
+    """The Triton kernel's module, or None where Triton is missing or switched off."""
     if os.environ.get("DEEPSEEK_OCR_TRITON", "1") == "0":
         return None
     try:
-        from .triton_relpos import relpos_attention_triton
+        from . import triton_relpos
     except ImportError:  # CPU-only installs have no Triton
         return None
-    return relpos_attention_triton
+    return triton_relpos
+
+
+def kernel_takes(q, k, v) -> bool:
+    """Whether the Triton kernels take these q, k, v (else the SDPA paths run)."""
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (16, 32, 64, 128)
+            and all(t.stride(-1) == 1 for t in (q, k, v)) and _triton() is not None)
 
 
 def supports(q, rel_h, rel_w) -> bool:
-    """Whether the Triton kernel takes these inputs (else the SDPA paths do)."""
-    c = q.shape[-1]
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and c in (16, 32, 64, 128)
-            and rel_h.dtype == rel_w.dtype == q.dtype
-            and all(t.stride(-1) == 1 for t in (q, rel_h, rel_w))
-            and _triton_op() is not None)
+    """Whether the Triton attention kernel takes these inputs (else the SDPA paths do)."""
+    return (kernel_takes(q, q, q) and rel_h.dtype == rel_w.dtype == q.dtype
+            and all(t.stride(-1) == 1 for t in (rel_h, rel_w)))
 
 
 def fused_relpos_attention(q, k, v, rel_h, rel_w):
     """The dense-bias result without the [HW, HW] tensor: Triton kernel, else augmented SDPA."""
     if supports(q, rel_h, rel_w) and k.stride(-1) == 1 and v.stride(-1) == 1:
-        return _triton_op()(q, k, v, rel_h, rel_w)
+        if torch.compiler.is_compiling():  # the custom op: torch.compile keeps it opaque
+            return _triton().relpos_attention_triton(q, k, v, rel_h, rel_w)
+        # Eager and graph capture launch the kernel directly: a custom op's first call imports
+        # torch._dynamo (~900 modules, seconds of every encoder replica's start-up).
+        return _triton().relpos_attention(q, k, v, rel_h, rel_w)
     return augmented_relpos_attention(q, k, v, rel_h, rel_w)
+
+
+# SAM's windowed blocks on the whole grid in the Triton kernels (no pad / partition copies);
+# DEEPSEEK_OCR_WINDOW_KERNEL=0 (or this flag) keeps the reference's windows for the fused path.
+WINDOWS_IN_KERNEL = os.environ.get("DEEPSEEK_OCR_WINDOW_KERNEL", "1") != "0"
+
+
+def windows_in_kernel(x: torch.Tensor, head_dim: int, impl: str) -> bool:
+    """Whether a windowed block on activations `x` runs `windowed_relpos_attention`."""
+    return (impl == "fused" and WINDOWS_IN_KERNEL and not torch.compiler.is_compiling()
+            and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and head_dim in (16, 32, 64, 128)
+            and _triton() is not None)
+
+
+def windowed_relpos_attention(q, k, v, rel_pos_h, rel_pos_w, side: int, grid: tuple[int, int],
+                              qkv_bias: torch.Tensor | None):
+    """SAM's attention in side x side windows, q, k, v [B, n, H*W, C] of the whole (unpadded)
+    grid: the windows are addressed in place, and the zero tokens padding the last windows
+    attend as the reference's do, as keys and values equal to the projection's bias."""
+    kernels = _triton()
+    n, c = q.shape[1], q.shape[3]
+    bias = (q.new_zeros(3, n, c) if qkv_bias is None else qkv_bias.to(q.dtype).view(3, n, c))
+    windows = kernels.Windows(side, grid, bias[1], bias[2])
+    return kernels.windowed_attention(q, k, v, rel_table(side, rel_pos_h).to(q.dtype),
+                                      rel_table(side, rel_pos_w).to(q.dtype), windows)
 
 
 def augmented_relpos_attention(q, k, v, rel_h, rel_w):
@@ -128,6 +165,14 @@ def augmented_relpos_attention(q, k, v, rel_h, rel_w):
 
 def relpos_attention(q, k, v, rel_pos_h, rel_pos_w, hw: tuple[int, int], impl: str = "fused"):
     """Attention over an H x W grid with decomposed rel-pos; q, k, v are [B, n, HW, C]."""
+    if impl == "fused" and kernel_takes(q, k, v) and not torch.compiler.is_compiling():
+        # Both terms from one Triton kernel reading q where the projection left it: the
+        # einsums copy the strided q twice and permute their outputs (~15% of a global view's
+        # time in copies). Under torch.compile the einsums stay (Inductor fuses them).
+        kernels = _triton()
+        rel_h, rel_w = kernels.rel_pos_terms(q, rel_table(hw[0], rel_pos_h).to(q.dtype),
+                                             rel_table(hw[1], rel_pos_w).to(q.dtype), hw)
+        return kernels.relpos_attention(q, k, v, rel_h, rel_w)
     rel_h, rel_w = rel_pos_terms(q, rel_pos_h, rel_pos_w, hw)
     if impl == "fused":
         return fused_relpos_attention(q, k, v, rel_h, rel_w)

@@ -15,39 +15,63 @@ use it (CUDA, bf16/fp16) and falls back to SDPA otherwise.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
+def _queries(pid_m, pid_g, n_heads, n_win, n_win_w, grid_h, grid_w, full_h, full_w,
+             BLOCK_M: tl.constexpr):
+    """Program (pid_m, pid_g) -> its image, (image, window) row, head, BLOCK_M local query
+    indices, their token rows in the image's [H*W] sequence and which are real tokens. A window
+    is a grid_h x grid_w tile of the full_h x full_w token grid (n_win_w tiles a row, n_win in
+    all; the last ones hang over the edge: those queries are padding). Unwindowed: one window,
+    the whole grid."""
+    h = pid_g % n_heads
+    row = pid_g // n_heads  # (image, window)
+    win = row % n_win
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    y = (win // n_win_w) * grid_h + offs_m // grid_w
+    x = (win % n_win_w) * grid_w + offs_m % grid_w
+    real = (offs_m < grid_h * grid_w) & (y < full_h) & (x < full_w)
+    return row // n_win, row, h, win, offs_m, y * full_w + x, real
+
+
+@triton.jit
 def _relpos_attention_fwd(
-    Q, K, V, RH, RW, O,
+    Q, K, V, RH, RW, O, KB, VB,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
     srh_b, srh_h, srh_m, srw_b, srw_h, srw_m, so_b, so_h, so_m,
-    n_heads, seq_len, grid_h, grid_w, sm_scale,
+    n_heads, grid_h, grid_w, full_h, full_w, n_win, n_win_w, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, ROW_PAD: tl.constexpr,
     EVEN_N: tl.constexpr,  # every key block full (W == ROW_PAD, H % ROWS == 0): no key masks
+    PADDED: tl.constexpr,  # windows hang over the grid: their outside keys are k = KB, v = VB
 ):
     BLOCK_N: tl.constexpr = ROWS * ROW_PAD
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    b, row, h, win, offs_m, q_tok, q_real = _queries(
+        tl.program_id(0), tl.program_id(1), n_heads, n_win, n_win_w, grid_h, grid_w, full_h, full_w,
+        BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    mask_m = offs_m < seq_len
+    mask_m = offs_m < grid_h * grid_w
 
-    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :],
-                mask=mask_m[:, None], other=0.0)
+    q = tl.load(Q + b * sq_b + h * sq_h + q_tok[:, None] * sq_m + offs_d[None, :],
+                mask=q_real[:, None], other=0.0)
     # rel_w[m, kw] for every column of a key row; identical for every key block.
     offs_c = tl.arange(0, ROW_PAD)
-    rw = tl.load(RW + b * srw_b + h * srw_h + offs_m[:, None] * srw_m + offs_c[None, :],
+    rw = tl.load(RW + row * srw_b + h * srw_h + offs_m[:, None] * srw_m + offs_c[None, :],
                  mask=mask_m[:, None] & (offs_c < grid_w)[None, :], other=0.0).to(tl.float32)
     rw = tl.reshape(tl.broadcast_to(rw[:, None, :], (BLOCK_M, ROWS, ROW_PAD)), (BLOCK_M, BLOCK_N))
-    rh_rows = RH + b * srh_b + h * srh_h + offs_m[:, None] * srh_m
+    rh_rows = RH + row * srh_b + h * srh_h + offs_m[:, None] * srh_m
     k_base = K + b * sk_b + h * sk_h
     v_base = V + b * sv_b + h * sv_h
+    y0 = (win // n_win_w) * grid_h  # the window's first token row and column in the grid
+    x0 = (win % n_win_w) * grid_w
+    if PADDED:  # a zero token's projection is its bias: what the reference's zero padding attends to
+        k_pad = tl.load(KB + h * HEAD_DIM + offs_d)
+        v_pad = tl.load(VB + h * HEAD_DIM + offs_d)
 
     offs_j = tl.arange(0, BLOCK_N)
     j_row = offs_j // ROW_PAD
@@ -58,14 +82,19 @@ def _relpos_attention_fwd(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for row0 in range(0, grid_h, ROWS):
-        key_idx = (row0 + j_row) * grid_w + j_col
+        key_tok = (y0 + row0 + j_row) * full_w + x0 + j_col
         if EVEN_N:
-            k = tl.load(k_base + key_idx[None, :] * sk_n + offs_d[:, None])
+            k = tl.load(k_base + key_tok[None, :] * sk_n + offs_d[:, None])
             rh = tl.load(rh_rows + (row0 + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
         else:
             key_ok = (j_col < grid_w) & (row0 + j_row < grid_h)
-            k = tl.load(k_base + key_idx[None, :] * sk_n + offs_d[:, None], mask=key_ok[None, :],
+            key_real = key_ok
+            if PADDED:
+                key_real = key_ok & (y0 + row0 + j_row < full_h) & (x0 + j_col < full_w)
+            k = tl.load(k_base + key_tok[None, :] * sk_n + offs_d[:, None], mask=key_real[None, :],
                         other=0.0)
+            if PADDED:
+                k = tl.where(key_real[None, :], k, k_pad[:, None])
             rh = tl.load(rh_rows + (row0 + offs_r)[None, :],
                          mask=mask_m[:, None] & (row0 + offs_r < grid_h)[None, :], other=0.0)
         s = tl.dot(q, k) * sm_scale + rw  # [BLOCK_M, BLOCK_N], fp32
@@ -78,15 +107,111 @@ def _relpos_attention_fwd(
         alpha = tl.math.exp2((m_i - m_new) * log2e)
         l_i = l_i * alpha + tl.sum(p, 1)
         if EVEN_N:
-            v = tl.load(v_base + key_idx[:, None] * sv_n + offs_d[None, :])
+            v = tl.load(v_base + key_tok[:, None] * sv_n + offs_d[None, :])
         else:
-            v = tl.load(v_base + key_idx[:, None] * sv_n + offs_d[None, :], mask=key_ok[:, None],
+            v = tl.load(v_base + key_tok[:, None] * sv_n + offs_d[None, :], mask=key_real[:, None],
                         other=0.0)
+            if PADDED:
+                v = tl.where(key_real[:, None], v, v_pad[None, :])
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     acc = acc / l_i[:, None]
-    tl.store(O + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :],
-             acc.to(O.dtype.element_ty), mask=mask_m[:, None])
+    tl.store(O + b * so_b + h * so_h + q_tok[:, None] * so_m + offs_d[None, :],
+             acc.to(O.dtype.element_ty), mask=q_real[:, None])
+
+
+@triton.jit
+def _rel_terms_fwd(
+    Q, TH, TW, RH, RW, sq_b, sq_h, sq_m, n_heads, grid_h, grid_w, full_h, full_w, n_win, n_win_w,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, H_PAD: tl.constexpr, W_PAD: tl.constexpr,
+    TH_PAD: tl.constexpr, TW_PAD: tl.constexpr,
+):
+    """rel_h[m, kh] = q[m] . TH[qh - kh + H - 1] and rel_w[m, kw] = q[m] . TW[qw - kw + W - 1]
+    for BLOCK_M queries of one (image, window, head): one dot with each whole table, then a
+    per-row gather of the offsets. Written [(image, window), head, query, kh or kw]."""
+    b, row, h, win, offs_m, q_tok, q_real = _queries(
+        tl.program_id(0), tl.program_id(1), n_heads, n_win, n_win_w, grid_h, grid_w, full_h, full_w,
+        BLOCK_M)
+    seq_len = grid_h * grid_w
+    mask_m = offs_m < seq_len
+    offs_d = tl.arange(0, HEAD_DIM)
+    # Padding queries (q = 0 here) get terms no output uses; the reference's are q = bias.
+    q = tl.load(Q + b * sq_b + h * sq_h + q_tok[:, None] * sq_m + offs_d[None, :],
+                mask=q_real[:, None], other=0.0)
+    out_rows = (row * n_heads + h) * seq_len + offs_m
+    # Rows past seq_len compute garbage offsets: clamp them into the table, never stored.
+    q_row = tl.minimum(offs_m // grid_w, grid_h - 1)
+    q_col = offs_m % grid_w
+
+    offs_t = tl.arange(0, TH_PAD)
+    table = tl.load(TH + offs_t[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=(offs_t < 2 * grid_h - 1)[:, None], other=0.0)
+    scores = tl.dot(q, tl.trans(table))  # [BLOCK_M, TH_PAD]: q . every offset's row, fp32
+    offs_k = tl.arange(0, H_PAD)
+    index = tl.where((offs_k < grid_h)[None, :], q_row[:, None] - offs_k[None, :] + grid_h - 1, 0)
+    tl.store(RH + out_rows[:, None] * grid_h + offs_k[None, :],
+             tl.gather(scores, index, 1).to(RH.dtype.element_ty),
+             mask=mask_m[:, None] & (offs_k < grid_h)[None, :])
+
+    offs_t = tl.arange(0, TW_PAD)
+    table = tl.load(TW + offs_t[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=(offs_t < 2 * grid_w - 1)[:, None], other=0.0)
+    scores = tl.dot(q, tl.trans(table))
+    offs_k = tl.arange(0, W_PAD)
+    index = tl.where((offs_k < grid_w)[None, :], q_col[:, None] - offs_k[None, :] + grid_w - 1, 0)
+    tl.store(RW + out_rows[:, None] * grid_w + offs_k[None, :],
+             tl.gather(scores, index, 1).to(RW.dtype.element_ty),
+             mask=mask_m[:, None] & (offs_k < grid_w)[None, :])
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Attention in `side` x `side` windows over an H x W token grid (`grid`), the last row and
+    column of windows hanging over the edge where `side` does not divide it (SAM's padding:
+    zero tokens, whose keys and values are the projection's biases `k_bias`, `v_bias` [n, C])."""
+
+    side: int
+    grid: tuple[int, int]
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+
+    @property
+    def counts(self) -> tuple[int, int]:  # windows down, across
+        return -(-self.grid[0] // self.side), -(-self.grid[1] // self.side)
+
+    @property
+    def padded(self) -> bool:
+        return self.grid[0] % self.side != 0 or self.grid[1] % self.side != 0
+
+
+def _layout(rel_grid, windows):
+    """(n_win, n_win_w, full_h, full_w) of the kernels' addressing."""
+    if windows is None:
+        return 1, 1, *rel_grid
+    down, across = windows.counts
+    return down * across, across, *windows.grid
+
+
+def rel_pos_terms(q: torch.Tensor, table_h: torch.Tensor, table_w: torch.Tensor,
+                  hw: tuple[int, int], windows: Windows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`relpos_attention.rel_pos_terms` from the axes' tables ([2H-1, C], [2W-1, C], q's dtype):
+    rel_h [B, n, HW, H] and rel_w [B, n, HW, W], contiguous, q read in place (any strides with
+    the last dim contiguous). With `windows`, q is the whole grid's [B, n, H*W, C] and `hw` the
+    window's: the terms are per window, [B * windows, n, side², side] each."""
+    grid_h, grid_w = hw
+    bsz, n, _, c = q.shape
+    n_win, n_win_w, full_h, full_w = _layout(hw, windows)
+    seq_len = grid_h * grid_w
+    rel_h = q.new_empty(bsz * n_win, n, seq_len, grid_h)
+    rel_w = q.new_empty(bsz * n_win, n, seq_len, grid_w)
+    block_m = 64
+    pad = lambda size: max(16, triton.next_power_of_2(size))  # noqa: E731 - tl.dot wants >= 16
+    _rel_terms_fwd[(triton.cdiv(seq_len, block_m), bsz * n_win * n)](
+        q, table_h.contiguous(), table_w.contiguous(), rel_h, rel_w,
+        q.stride(0), q.stride(1), q.stride(2), n, grid_h, grid_w, full_h, full_w, n_win, n_win_w,
+        HEAD_DIM=c, BLOCK_M=block_m, H_PAD=pad(grid_h), W_PAD=pad(grid_w),
+        TH_PAD=pad(2 * grid_h - 1), TW_PAD=pad(2 * grid_w - 1), num_warps=4)
+    return rel_h, rel_w
 
 
 # Tile configs per grid width (64: global block on a 1024 view, 40: on a 640 crop, 14: windows),
@@ -106,18 +231,24 @@ def config(grid_w: int, seq_len: int) -> dict:
     return dict(BLOCK_M=64, ROWS=max(1, 128 // row_pad), ROW_PAD=row_pad, num_warps=4, num_stages=2)
 
 
-def launch(q, k, v, rel_h, rel_w, out, BLOCK_M, ROWS, ROW_PAD, num_warps, num_stages):
-    bsz, n, hw, c = q.shape
+def launch(q, k, v, rel_h, rel_w, out, BLOCK_M, ROWS, ROW_PAD, num_warps, num_stages,
+           windows: Windows | None = None):
+    bsz, n, _, c = q.shape
     grid_h, grid_w = rel_h.shape[-1], rel_w.shape[-1]
-    _relpos_attention_fwd[(triton.cdiv(hw, BLOCK_M), bsz * n)](
-        q, k, v, rel_h, rel_w, out,
+    n_win, n_win_w, full_h, full_w = _layout((grid_h, grid_w), windows)
+    padded = windows is not None and windows.padded
+    k_bias = windows.k_bias if padded else q  # unread unless padded
+    v_bias = windows.v_bias if padded else q
+    _relpos_attention_fwd[(triton.cdiv(grid_h * grid_w, BLOCK_M), bsz * n_win * n)](
+        q, k, v, rel_h, rel_w, out, k_bias, v_bias,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         rel_h.stride(0), rel_h.stride(1), rel_h.stride(2),
         rel_w.stride(0), rel_w.stride(1), rel_w.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        n, hw, grid_h, grid_w, c ** -0.5, HEAD_DIM=c, BLOCK_M=BLOCK_M, ROWS=ROWS, ROW_PAD=ROW_PAD,
-        EVEN_N=grid_w == ROW_PAD and grid_h % ROWS == 0, num_warps=num_warps, num_stages=num_stages)
+        n, grid_h, grid_w, full_h, full_w, n_win, n_win_w, c ** -0.5, HEAD_DIM=c, BLOCK_M=BLOCK_M,
+        ROWS=ROWS, ROW_PAD=ROW_PAD, EVEN_N=grid_w == ROW_PAD and grid_h % ROWS == 0 and not padded,
+        PADDED=padded, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -126,12 +257,26 @@ def _empty_output(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty(bsz, hw, n, c).transpose(1, 2)  # [B, n, HW, C] view of [B, HW, n, C]
 
 
-@torch.library.custom_op("deepseek_ocr::relpos_attention", mutates_args=())
-def relpos_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            rel_h: torch.Tensor, rel_w: torch.Tensor) -> torch.Tensor:
+def relpos_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     rel_h: torch.Tensor, rel_w: torch.Tensor) -> torch.Tensor:
     """softmax(q.k / sqrt(C) + rel_h[kh] + rel_w[kw]) v; q, k, v [B, n, H*W, C], rel_h [B, n, HW, H],
     rel_w [B, n, HW, W], last dims contiguous."""
     return launch(q, k, v, rel_h, rel_w, _empty_output(q), **config(rel_w.shape[-1], q.shape[2]))
+
+
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table_h: torch.Tensor,
+                       table_w: torch.Tensor, windows: Windows) -> torch.Tensor:
+    """SAM's windowed attention read and written in place: q, k, v are the whole grid's
+    [B, n, H*W, C] (strided views of the projection); no padding, partition or unpartition
+    copies. -> [B, n, H*W, C], a view of [B, H*W, n, C] (what the output projection reads)."""
+    side = windows.side
+    rel_h, rel_w = rel_pos_terms(q, table_h, table_w, (side, side), windows)
+    return launch(q, k, v, rel_h, rel_w, _empty_output(q), **config(side, side * side), windows=windows)
+
+
+# The same as a custom op, for torch.compile (which would otherwise trace into the launch).
+relpos_attention_triton = torch.library.custom_op(
+    "deepseek_ocr::relpos_attention", relpos_attention, mutates_args=())
 
 
 @relpos_attention_triton.register_fake

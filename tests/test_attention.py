@@ -85,20 +85,57 @@ def test_sam_block_fused_equals_dense(window, grid):
 
 INTERPRET_SCRIPT = """
 import torch
-from encoder.relpos_attention import dense_relpos_attention, rel_pos_terms
-from encoder.triton_relpos import relpos_attention_triton
+from encoder.relpos_attention import dense_relpos_attention, rel_pos_terms, rel_table
+from encoder import triton_relpos
+from encoder.triton_relpos import relpos_attention, relpos_attention_triton
 from tests.test_attention import inputs
 for hw, rows, bsz in [((14, 14), 27, 2), ((40, 40), 127, 1), ((5, 9), 27, 1), ((8, 8), 27, 1),
                       ((16, 16), 27, 1)]:
     q, k, v, rph, rpw = inputs(bsz, hw, rows, seed=7)
     rel_h, rel_w = rel_pos_terms(q, rph, rpw, hw)
+    # The rel-terms kernel against the einsums, q strided as the projection leaves it.
+    kernel_h, kernel_w = triton_relpos.rel_pos_terms(q, rel_table(hw[0], rph), rel_table(hw[1], rpw), hw)
+    for got, want in ((kernel_h, rel_h), (kernel_w, rel_w)):
+        assert got.shape == want.shape and ((got - want).norm() / want.norm()).item() <= 1e-5, hw
     ref = dense_relpos_attention(q, k, v, rel_h, rel_w)
-    out = relpos_attention_triton(q, k, v, rel_h, rel_w)
+    out = relpos_attention(q, k, v, rel_h, rel_w)
+    if bsz == 2:  # the custom op (torch.compile's entry) launches the same kernel
+        assert torch.equal(relpos_attention_triton(q, k, v, rel_h, rel_w), out)
     err = ((out - ref).norm() / ref.norm()).item()
     assert out.shape == ref.shape and out.transpose(1, 2).is_contiguous(), (out.shape, out.stride())
     assert err <= 1e-5, (hw, err)
 print("interpreted kernel ok")
 """
+
+
+WINDOWS_SCRIPT = """
+import torch
+from encoder.model import SamAttention, window_partition, window_unpartition
+from encoder.relpos_attention import windowed_relpos_attention
+torch.manual_seed(3)
+attn = SamAttention(64, 2, 14)
+for p in attn.parameters():
+    torch.nn.init.normal_(p, std=0.2)
+attn.impl = "dense"
+for grid in [(20, 23), (28, 14), (9, 30)]:  # windows over the edge (padded), exact, one row
+    x = torch.randn(2, *grid, 64)
+    windows, padded = window_partition(x, 14)
+    ref = window_unpartition(attn(windows), 14, padded, grid)
+    qkv = attn.qkv(x).reshape(2, grid[0] * grid[1], 3, 2, 32)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    out = windowed_relpos_attention(q, k, v, attn.rel_pos_h, attn.rel_pos_w, 14, grid, attn.qkv.bias)
+    fast = attn.proj(out.transpose(1, 2).reshape(2, *grid, 64))
+    err = ((fast - ref).norm() / ref.norm()).item()
+    assert err <= 1e-5, (grid, err)
+print("windows in place ok")
+"""
+
+
+def test_windows_in_place_equal_padded_partitions_in_interpreter_mode():
+    """SAM's windows addressed in place by the kernels (zero padding as the projection's bias)
+    against the reference: pad, partition, attention per window (dense bias), unpartition."""
+    pytest.importorskip("triton")
+    assert "windows in place ok" in run_in_triton_interpreter(WINDOWS_SCRIPT)
 
 
 def test_triton_kernel_in_interpreter_mode():
@@ -121,6 +158,72 @@ def test_fused_paths_bf16_cuda(bsz, hw, rows):
         # bf16 inputs: within bf16 rounding of the float64 formula, and of the dense path.
         assert rel_err(out, exact) <= 1e-2, impl
         torch.testing.assert_close(out, dense, rtol=0.016, atol=0.016)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [14, 0], ids=["windowed", "global"])
+@pytest.mark.parametrize("grid", [64, 40])
+def test_sam_block_kernels_equal_the_reference_paths_on_gpu(window, grid, monkeypatch):
+    """A real-width SAM block in bf16: the Triton path (windows addressed in place, rel terms
+    from their kernel) against the reference's padded partitions, einsums and dense bias."""
+    from encoder import relpos_attention as attention
+    torch.manual_seed(grid + window)
+    block = SamBlock(EncoderArgs(), window).cuda()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.05)
+        block.to(torch.bfloat16)
+        x = torch.randn(4, grid, grid, 768, device="cuda", dtype=torch.bfloat16)
+        fused = block(x)
+        monkeypatch.setattr(attention, "WINDOWS_IN_KERNEL", False)
+        block.attn.impl = "dense"
+        dense = block(x)
+    assert rel_err(fused, dense) <= 1e-2
+    torch.testing.assert_close(fused, dense, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hw, rows", SHAPES)
+def test_rel_terms_kernel_equals_the_einsums_on_gpu(hw, rows):
+    """The fused path's rel terms (one Triton kernel) against the reference einsums, bf16: the
+    same products, summed in fp32 and rounded once in both."""
+    from encoder import triton_relpos
+    from encoder.relpos_attention import rel_table
+    q, k, v, rph, rpw = inputs(8, hw, rows, heads=12, device="cuda", dtype=torch.bfloat16)
+    want = rel_pos_terms(q, rph, rpw, hw)
+    got = triton_relpos.rel_pos_terms(q, rel_table(hw[0], rph), rel_table(hw[1], rpw), hw)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0.016, atol=0.016)
+
+
+FORWARD_WITHOUT_THE_COMPILER = """
+import sys
+import torch
+from encoder import EncoderArgs
+from encoder.checkpoint import random_encoder
+from encoder.relpos_attention import supports
+enc = random_encoder(EncoderArgs(), device="cuda", dtype=torch.bfloat16)
+with torch.inference_mode():
+    enc.forward_global(torch.zeros(1, 3, 1024, 1024, dtype=torch.uint8, device="cuda"))
+    enc.forward_local(torch.zeros(1, 3, 640, 640, dtype=torch.uint8, device="cuda"))
+q = torch.zeros(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16)
+print(supports(q, q[..., :4], q[..., :4]), "torch._dynamo" in sys.modules)
+"""
+
+
+@pytest.mark.gpu
+def test_eager_forwards_launch_the_kernel_without_importing_the_compiler():
+    """The Triton kernel launches directly outside torch.compile: a custom op's first call
+    imports torch._dynamo (~900 modules, seconds of an encoder replica's start-up)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", FORWARD_WITHOUT_THE_COMPILER],
+                         env=dict(os.environ, PYTHONPATH=root), cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["True", "False"], run.stdout
 
 
 @pytest.mark.gpu
