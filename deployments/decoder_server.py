@@ -86,7 +86,7 @@ class DecoderServer:
     async def generate(self, prompt_ids: list[int], image_embeds: list[Wire],
                        params: SamplingParams) -> dict:
         """The whole generation in one answer (merged on the engine thread: no per-token work
-        on this replica's event loop)."""
+        on this replica's event loop), with its time in this replica (`timings`)."""
         request = GenerationRequest(prompt_ids, [from_wire(e) for e in image_embeds], params)
         arrived, last = time.monotonic(), None
         self._record_load()
@@ -95,8 +95,8 @@ class DecoderServer:
                 last = delta
         finally:
             self._record_load()
-        self._record_latency(request, last, arrived, last.first_token_at, time.monotonic())
-        return self._as_dict(last)
+        timings = self._record_latency(request, last, arrived, last.first_token_at, time.monotonic())
+        return {**self._as_dict(last), "timings": timings}
 
     async def generate_stream(self, prompt_ids: list[int], image_embeds: list[Wire],
                               params: SamplingParams) -> AsyncIterator[dict]:
@@ -117,17 +117,23 @@ class DecoderServer:
         return {"text": delta.text, "finished": delta.finished, "finish_reason": delta.finish_reason,
                 "prompt_tokens": delta.prompt_tokens, "completion_tokens": delta.completion_tokens}
 
-    def _record_latency(self, request, delta, arrived: float, first: float | None, done: float) -> None:
-        """Queue, prefill, time to first token and time per output token of a finished request."""
+    def _record_latency(self, request, delta, arrived: float, first: float | None, done: float) -> dict:
+        """Queue, prefill, time to first token and time per output token of a finished request
+        into the metrics; returns its stages in ms: waiting for admission (`decoder_queue_ms`),
+        prefill to first token (`prefill_ms`), first token to the last (`generate_ms`)."""
         metrics = decoder_metrics()
         if first is None:  # finished without a token (aborted)
-            return
+            return {}
+        stages = {"generate_ms": (done - first) * 1e3}
         metrics["ttft_ms"].observe((first - arrived) * 1e3)
         if request.prefilled_at is not None:
-            metrics["queue_ms"].observe((request.prefilled_at - arrived) * 1e3)
-            metrics["prefill_ms"].observe((first - request.prefilled_at) * 1e3)
+            stages["decoder_queue_ms"] = (request.prefilled_at - arrived) * 1e3
+            stages["prefill_ms"] = (first - request.prefilled_at) * 1e3
+            metrics["queue_ms"].observe(stages["decoder_queue_ms"])
+            metrics["prefill_ms"].observe(stages["prefill_ms"])
         if delta.completion_tokens > 1:
-            metrics["tpot_ms"].observe((done - first) * 1e3 / (delta.completion_tokens - 1))
+            metrics["tpot_ms"].observe(stages["generate_ms"] / (delta.completion_tokens - 1))
+        return stages
 
     def _record_load(self) -> None:
         """Running / waiting sequences and KV-cache use, read from the engine (its thread owns

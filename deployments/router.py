@@ -298,6 +298,7 @@ class Router:
         result = await call_with_retry(self.decoder.generate, ids, [to_wire(s) for s in seqs],
                                        options.sampling())
         timings["decode_ms"] = (time.perf_counter() - start) * 1e3
+        timings.update(result.get("timings", {}))  # the decoder's own stages
         self._record_generation(result, seqs, timings["decode_ms"])
         response = {"text": result["text"], "finish_reason": result["finish_reason"],
                     "model": self.model_label,

@@ -348,3 +348,21 @@ def test_rope_kernel_equals_rope_and_cache_writes_on_gpu():
     errs = {name: rel_err(fused, ref) for name, ref, fused in zip(("logits", "k", "v"), out["torch"], out["triton"])}
     print("rope kernel vs reference (bf16): " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
     assert errs["logits"] <= 1e-2 and errs["k"] <= 1e-2 and errs["v"] <= 1e-2
+
+
+def test_prefill_attention_never_runs_cudnn(pair, monkeypatch):
+    """Prefills run SDPA with cuDNN's backend off (it plans each new sequence length on first
+    sight: a fresh node's first page waited 629 ms on it); decode steps use the paged kernel."""
+    import torch.nn.functional as F
+    from decoder import model as model_module
+    ours, _ = pair
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", recording_sdpa)
+    with torch.no_grad():
+        ours(input_ids=torch.tensor([[5, 6, 7, 8]]))
+    assert seen and not any(seen) and torch.backends.cuda.cudnn_sdp_enabled()

@@ -150,6 +150,10 @@ def test_http_ocr_multipart_and_encode(handle):
     body = response.json()
     assert set(body) >= {"text", "usage", "model", "timings"}
     assert body["usage"]["image_tokens"] == 483 and body["usage"]["completion_tokens"] == 3
+    timings = body["timings"]  # the router's stages and the decoder's own, inside decode_ms
+    assert set(timings) >= {"preprocess_ms", "encode_ms", "decode_ms", "decoder_queue_ms", "prefill_ms",
+                            "generate_ms"}, timings
+    assert timings["decoder_queue_ms"] + timings["prefill_ms"] + timings["generate_ms"] <= timings["decode_ms"]
     response = requests.post(f"{URL}/v1/encode", json={"image": base64.b64encode(data).decode()}, timeout=300)
     (image,) = response.json()["images"]
     embedding = torch.frombuffer(bytearray(base64.b64decode(image["embedding_base64"])), dtype=torch.float32)
