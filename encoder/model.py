@@ -7,7 +7,9 @@ Modules are named after the released checkpoint keys (minus the leading `model.`
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -15,8 +17,49 @@ from torch import nn
 
 from .config import EncoderArgs
 from .preprocess import normalize
-from .relpos_attention import (default_impl, relpos_attention, windowed_relpos_attention,
+from .relpos_attention import (default_impl, relpos_attention, triton_enabled, windowed_relpos_attention,
                                windows_in_kernel)
+
+# LayerNorms (and the residual add before one) in one Triton kernel where it applies
+# (`triton_norm.py`); DEEPSEEK_OCR_NORM_KERNEL=0 (or this flag) keeps torch's ops, the reference.
+NORM_KERNEL = os.environ.get("DEEPSEEK_OCR_NORM_KERNEL", "1") != "0"
+
+
+@functools.cache
+def _norm_module():
+    if not triton_enabled():
+        return None
+    try:
+        from . import triton_norm
+    except ImportError:  # CPU-only installs have no Triton
+        return None
+    return triton_norm
+
+
+def _norm_kernel(x: torch.Tensor):
+    """The norm kernel's module when it takes `x`, else None (always under torch.compile,
+    which fuses the norms itself)."""
+    if torch.compiler.is_compiling() or not (
+            NORM_KERNEL and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous()):
+        return None
+    return _norm_module()
+
+
+def norm(module: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    kernel = _norm_kernel(x)
+    if kernel is None:
+        return module(x)
+    return kernel.layer_norm(x, module.weight, module.bias, module.eps)
+
+
+def add_norm(module: nn.LayerNorm, x: torch.Tensor, residual: torch.Tensor):
+    """(x + residual, module(x + residual))."""
+    kernel = _norm_kernel(x)
+    if (kernel is None or not residual.is_contiguous() or residual.shape != x.shape
+            or residual.dtype != x.dtype):
+        x = x + residual
+        return x, module(x)
+    return kernel.layer_norm(x, module.weight, module.bias, module.eps, residual=residual)
 
 
 def interpolate_grid(table: torch.Tensor, size: int) -> torch.Tensor:
@@ -105,7 +148,7 @@ class SamBlock(nn.Module):
         self.mlp = SamMLP(args.sam_width, args.sam_mlp_dim)
 
     def forward(self, x):
-        h = self.norm1(x)
+        h = norm(self.norm1, x)
         if self.window and windows_in_kernel(h, self.attn.rel_pos_h.shape[-1], self.attn.impl):
             h = self.attn(h, window=self.window)
         elif self.window:
@@ -115,8 +158,8 @@ class SamBlock(nn.Module):
             h = window_unpartition(self.attn(h), self.window, padded, hw)
         else:
             h = self.attn(h)
-        x = x + h
-        return x + self.mlp(self.norm2(x))
+        x, h = add_norm(self.norm2, x, h)
+        return x + self.mlp(h)
 
 
 class LayerNorm2d(nn.Module):
@@ -218,8 +261,8 @@ class ClipLayer(nn.Module):
         self.mlp = ClipMLP(args.clip_width, args.clip_mlp_dim)
 
     def forward(self, x):
-        x = x + self.self_attn(self.layer_norm1(x))
-        return x + self.mlp(self.layer_norm2(x))
+        x, h = add_norm(self.layer_norm2, x, self.self_attn(norm(self.layer_norm1, x)))
+        return x + self.mlp(h)
 
 
 class ClipTransformer(nn.Module):
@@ -238,7 +281,7 @@ class Clip(nn.Module):
         self.transformer = ClipTransformer(args)
 
     def forward(self, features):
-        x = self.pre_layrnorm(self.embeddings(features))
+        x = norm(self.pre_layrnorm, self.embeddings(features))
         for layer in self.transformer.layers:
             x = layer(x)
         return x

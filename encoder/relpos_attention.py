@@ -87,10 +87,16 @@ def _key_onehots(hw: tuple[int, int], device, dtype):
     return rows, cols
 
 
+def triton_enabled() -> bool:
+    """DEEPSEEK_OCR_TRITON=0 turns every Triton kernel of this package off."""
+    return os.environ.get("DEEPSEEK_OCR_TRITON", "1") != "0"
+
+
 @functools.cache
 def _triton():
-    """The Triton kernel's module, or None where Triton is missing or switched off."""
-    if os.environ.get("DEEPSEEK_OCR_TRITON", "1") == "0":
+    """The attention kernels' module, or None where Triton is missing or switched off. (An
+    import statement, not importlib: torch.compile traces this, fullgraph included.)"""
+    if not triton_enabled():
         return None
     try:
         from . import triton_relpos
@@ -165,7 +171,7 @@ def augmented_relpos_attention(q, k, v, rel_h, rel_w):
 
 def relpos_attention(q, k, v, rel_pos_h, rel_pos_w, hw: tuple[int, int], impl: str = "fused"):
     """Attention over an H x W grid with decomposed rel-pos; q, k, v are [B, n, HW, C]."""
-    if impl == "fused" and kernel_takes(q, k, v) and not torch.compiler.is_compiling():
+    if impl == "fused" and not torch.compiler.is_compiling() and kernel_takes(q, k, v):
         # Both terms from one Triton kernel reading q where the projection left it: the
         # einsums copy the strided q twice and permute their outputs (~15% of a global view's
         # time in copies). Under torch.compile the einsums stay (Inductor fuses them).

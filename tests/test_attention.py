@@ -131,6 +131,28 @@ print("windows in place ok")
 """
 
 
+NORM_SCRIPT = """
+import torch
+from encoder.triton_norm import layer_norm
+torch.manual_seed(0)
+for rows, width in [(37, 768), (5, 1024), (3, 100)]:
+    norm = torch.nn.LayerNorm(width, eps=1e-6)
+    torch.nn.init.normal_(norm.weight), torch.nn.init.normal_(norm.bias)
+    x, h = torch.randn(2, rows, width), torch.randn(2, rows, width)
+    with torch.no_grad():
+        y = layer_norm(x, norm.weight, norm.bias, norm.eps)
+        total, y2 = layer_norm(x, norm.weight, norm.bias, norm.eps, residual=h)
+        assert torch.allclose(y, norm(x), atol=1e-5), (rows, width)
+        assert torch.equal(total, x + h) and torch.allclose(y2, norm(x + h), atol=1e-5)
+print("norm kernel ok")
+"""
+
+
+def test_norm_kernel_equals_torch_in_interpreter_mode():
+    pytest.importorskip("triton")
+    assert "norm kernel ok" in run_in_triton_interpreter(NORM_SCRIPT)
+
+
 def test_windows_in_place_equal_padded_partitions_in_interpreter_mode():
     """SAM's windows addressed in place by the kernels (zero padding as the projection's bias)
     against the reference: pad, partition, attention per window (dense bias), unpartition."""
@@ -165,7 +187,9 @@ def test_fused_paths_bf16_cuda(bsz, hw, rows):
 @pytest.mark.parametrize("grid", [64, 40])
 def test_sam_block_kernels_equal_the_reference_paths_on_gpu(window, grid, monkeypatch):
     """A real-width SAM block in bf16: the Triton path (windows addressed in place, rel terms
-    from their kernel) against the reference's padded partitions, einsums and dense bias."""
+    from their kernel, the norm kernel) against the reference's padded partitions, einsums,
+    dense bias and torch's norms."""
+    from encoder import model
     from encoder import relpos_attention as attention
     torch.manual_seed(grid + window)
     block = SamBlock(EncoderArgs(), window).cuda()
@@ -176,6 +200,7 @@ def test_sam_block_kernels_equal_the_reference_paths_on_gpu(window, grid, monkey
         x = torch.randn(4, grid, grid, 768, device="cuda", dtype=torch.bfloat16)
         fused = block(x)
         monkeypatch.setattr(attention, "WINDOWS_IN_KERNEL", False)
+        monkeypatch.setattr(model, "NORM_KERNEL", False)
         block.attn.impl = "dense"
         dense = block(x)
     assert rel_err(fused, dense) <= 1e-2
@@ -194,6 +219,24 @@ def test_rel_terms_kernel_equals_the_einsums_on_gpu(hw, rows):
     got = triton_relpos.rel_pos_terms(q, rel_table(hw[0], rph), rel_table(hw[1], rpw), hw)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0.016, atol=0.016)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [768, 1024, 256])
+def test_norm_kernel_equals_torch_on_gpu(width):
+    """bf16: the residual sum bit for bit the separate add's, the norm within one rounding."""
+    from encoder.triton_norm import layer_norm
+    torch.manual_seed(width)
+    norm = torch.nn.LayerNorm(width, eps=1e-6).cuda()
+    with torch.no_grad():
+        norm.weight.normal_(), norm.bias.normal_()
+        norm.to(torch.bfloat16)
+        x, h = (torch.randn(8, 4096, width, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        total, y = layer_norm(x, norm.weight, norm.bias, norm.eps, residual=h)
+        assert torch.equal(total, x + h)
+        torch.testing.assert_close(y, norm(x + h), rtol=0.016, atol=0.016)
+        torch.testing.assert_close(layer_norm(x, norm.weight, norm.bias, norm.eps), norm(x),
+                                   rtol=0.016, atol=0.016)
 
 
 FORWARD_WITHOUT_THE_COMPILER = """
@@ -242,3 +285,16 @@ def test_triton_kernel_traces_under_torch_compile():
     fn = torch.compile(lambda *a: relpos_attention(*a, (14, 14)), fullgraph=True)
     torch.testing.assert_close(fn(q, k, v, rph, rpw), relpos_attention(q, k, v, rph, rpw, (14, 14)),
                                rtol=0.016, atol=0.016)
+
+
+def test_kernel_choices_trace_under_torch_compile_fullgraph():
+    """The helpers that pick the Triton kernels stay traceable by torch.compile with
+    fullgraph=True (an importlib call in them broke the compiled encoder on the GPU)."""
+    from encoder import model
+    from encoder import relpos_attention as attention
+
+    def choose(x):
+        return x + (attention._triton() is not None) + (model._norm_module() is not None)
+
+    x = torch.zeros(2)
+    assert torch.equal(torch.compile(choose, fullgraph=True, backend="eager")(x), choose(x))
