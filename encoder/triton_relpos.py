@@ -1,14 +1,18 @@
 """Flash attention with SAM's decomposed rel-pos bias added inside the kernel (Triton, CUDA).
 
-One program owns BLOCK_M queries of one (image, head) and walks the key grid ROWS rows at a
-time with an online softmax. The bias of query m and key (kh, kw) is `rel_h[m, kh] + rel_w[m, kw]`.
-A key block is laid out as ROWS grid rows of ROW_PAD columns (the row width W rounded up to a
+One program owns BLOCK_M queries of one (image, window, head; unwindowed: the window is the
+whole grid) and walks the window's keys ROWS rows at a time with an online softmax. The bias
+of query m and key (kh, kw) is `rel_h[m, kh] + rel_w[m, kw]`. A key block is laid out as ROWS grid rows of ROW_PAD columns (the row width W rounded up to a
 power of two, extra columns masked), so that
   - the rel_w part is the same [BLOCK_M, ROW_PAD] tile for every key block: loaded once;
   - the rel_h part is one value per (query, key row): a [BLOCK_M, ROWS] load per block;
 no gather per score, nothing of size HW x HW ever written, and the dot products keep the real
 head dim (64). Same idea as segment-anything-fast's `flash_4.py`; our own kernel. The output goes
 straight into the [B, HW, heads, C] layout the projection reads, so no transpose copy follows.
+
+A second kernel makes rel_h and rel_w from q in place (`rel_pos_terms`); with `Windows` both
+address SAM's windows inside the unpadded grid (`windowed_attention`), so no pad, partition or
+unpartition copy is made.
 
 Loaded only where Triton is importable; `relpos_attention.fused_relpos_attention` decides when to
 use it (CUDA, bf16/fp16) and falls back to SDPA otherwise.
