@@ -105,10 +105,15 @@ def _triton():
     return triton_relpos
 
 
+def _kernel_runs(t: torch.Tensor, head_dim: int) -> bool:
+    """The Triton kernels' limits: CUDA, half precision, these head dims, Triton on."""
+    return (t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and head_dim in (16, 32, 64, 128)
+            and _triton() is not None)
+
+
 def kernel_takes(q, k, v) -> bool:
     """Whether the Triton kernels take these q, k, v (else the SDPA paths run)."""
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (16, 32, 64, 128)
-            and all(t.stride(-1) == 1 for t in (q, k, v)) and _triton() is not None)
+    return _kernel_runs(q, q.shape[-1]) and all(t.stride(-1) == 1 for t in (q, k, v))
 
 
 def supports(q, rel_h, rel_w) -> bool:
@@ -136,8 +141,7 @@ WINDOWS_IN_KERNEL = os.environ.get("DEEPSEEK_OCR_WINDOW_KERNEL", "1") != "0"
 def windows_in_kernel(x: torch.Tensor, head_dim: int, impl: str) -> bool:
     """Whether a windowed block on activations `x` runs `windowed_relpos_attention`."""
     return (impl == "fused" and WINDOWS_IN_KERNEL and not torch.compiler.is_compiling()
-            and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and head_dim in (16, 32, 64, 128)
-            and _triton() is not None)
+            and _kernel_runs(x, head_dim))
 
 
 def windowed_relpos_attention(q, k, v, rel_pos_h, rel_pos_w, side: int, grid: tuple[int, int],
