@@ -20,46 +20,54 @@ from .preprocess import normalize
 from .relpos_attention import (default_impl, relpos_attention, triton_enabled, windowed_relpos_attention,
                                windows_in_kernel)
 
-# LayerNorms (and the residual add before one) in one Triton kernel where it applies
-# (`triton_norm.py`); DEEPSEEK_OCR_NORM_KERNEL=0 (or this flag) keeps torch's ops, the reference.
+# LayerNorms (and the residual add before one) and CLIP's quick_gelu in Triton kernels where
+# they apply (`triton_norm.py`, `triton_activation.py`); DEEPSEEK_OCR_NORM_KERNEL=0 and
+# DEEPSEEK_OCR_ACTIVATION_KERNEL=0 (or these flags) keep torch's ops, the reference.
 NORM_KERNEL = os.environ.get("DEEPSEEK_OCR_NORM_KERNEL", "1") != "0"
+ACTIVATION_KERNEL = os.environ.get("DEEPSEEK_OCR_ACTIVATION_KERNEL", "1") != "0"
 
 
 @functools.cache
-def _norm_module():
+def _pointwise_kernels():
+    """(triton_norm, triton_activation), or None where Triton is missing or switched off."""
     if not triton_enabled():
         return None
     try:
-        from . import triton_norm
+        from . import triton_activation, triton_norm
     except ImportError:  # CPU-only installs have no Triton
         return None
-    return triton_norm
+    return triton_norm, triton_activation
 
 
-def _norm_kernel(x: torch.Tensor):
-    """The norm kernel's module when it takes `x`, else None (always under torch.compile,
-    which fuses the norms itself)."""
-    if torch.compiler.is_compiling() or not (
-            NORM_KERNEL and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous()):
-        return None
-    return _norm_module()
+def _takes(x: torch.Tensor, flag: bool) -> bool:
+    """Whether a pointwise kernel (switched on by `flag`) takes `x`: never under torch.compile,
+    which fuses these ops itself."""
+    return (flag and not torch.compiler.is_compiling() and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous()
+            and _pointwise_kernels() is not None)
 
 
 def norm(module: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    kernel = _norm_kernel(x)
-    if kernel is None:
+    if not _takes(x, NORM_KERNEL):
         return module(x)
-    return kernel.layer_norm(x, module.weight, module.bias, module.eps)
+    return _pointwise_kernels()[0].layer_norm(x, module.weight, module.bias, module.eps)
 
 
 def add_norm(module: nn.LayerNorm, x: torch.Tensor, residual: torch.Tensor):
     """(x + residual, module(x + residual))."""
-    kernel = _norm_kernel(x)
-    if (kernel is None or not residual.is_contiguous() or residual.shape != x.shape
+    if (not _takes(x, NORM_KERNEL) or not residual.is_contiguous() or residual.shape != x.shape
             or residual.dtype != x.dtype):
         x = x + residual
         return x, module(x)
-    return kernel.layer_norm(x, module.weight, module.bias, module.eps, residual=residual)
+    return _pointwise_kernels()[0].layer_norm(x, module.weight, module.bias, module.eps,
+                                              residual=residual)
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """CLIP's x * sigmoid(1.702 x)."""
+    if not _takes(x, ACTIVATION_KERNEL):
+        return x * torch.sigmoid(1.702 * x)
+    return _pointwise_kernels()[1].quick_gelu(x)
 
 
 def interpolate_grid(table: torch.Tensor, size: int) -> torch.Tensor:
@@ -248,8 +256,7 @@ class ClipMLP(nn.Module):
         self.fc2 = nn.Linear(hidden, width)
 
     def forward(self, x):
-        x = self.fc1(x)
-        return self.fc2(x * torch.sigmoid(1.702 * x))  # quick_gelu
+        return self.fc2(quick_gelu(self.fc1(x)))
 
 
 class ClipLayer(nn.Module):

@@ -219,9 +219,13 @@ def rel_pos_terms(q: torch.Tensor, table_h: torch.Tensor, table_w: torch.Tensor,
 
 
 # Tile configs per grid width (64: global block on a 1024 view, 40: on a 640 crop, 14: windows),
-# measured on an H200 by bench/tune_relpos_kernel.py (bench/results/relpos-kernel-tuning-*.json).
+# measured on an H200 by bench/tune_relpos_kernel.py (bench/results/relpos-kernel-tuning-*.json;
+# 64: one row a key block since relpos-kernel-tuning-64-2026-12-02.json, 1.34 against 1.38 ms).
+# Also measured there, and slower: the 40-wide rows packed back to back in 128-key blocks
+# (120 columns used, not 80; rel_h spread by selects or a one-hot dot: 4.09 / 2.45 ms against
+# 2.20), and rel_h spread by selects instead of the reshape (within 3%).
 TUNED: dict[int, dict] = {
-    64: dict(BLOCK_M=64, ROWS=2, ROW_PAD=64, num_warps=4, num_stages=3),
+    64: dict(BLOCK_M=64, ROWS=1, ROW_PAD=64, num_warps=4, num_stages=3),
     40: dict(BLOCK_M=64, ROWS=2, ROW_PAD=64, num_warps=4, num_stages=3),
     14: dict(BLOCK_M=128, ROWS=4, ROW_PAD=16, num_warps=8, num_stages=2),
 }

@@ -148,6 +148,21 @@ print("norm kernel ok")
 """
 
 
+QUICK_GELU_SCRIPT = """
+import torch
+from encoder.triton_activation import quick_gelu
+torch.manual_seed(0)
+x = 4 * torch.randn(3, 5000)  # over one program's block, a ragged tail
+assert torch.allclose(quick_gelu(x), x * torch.sigmoid(1.702 * x), rtol=1e-6, atol=1e-6)
+print("quick_gelu kernel ok")
+"""
+
+
+def test_quick_gelu_kernel_equals_torch_in_interpreter_mode():
+    pytest.importorskip("triton")
+    assert "quick_gelu kernel ok" in run_in_triton_interpreter(QUICK_GELU_SCRIPT)
+
+
 def test_norm_kernel_equals_torch_in_interpreter_mode():
     pytest.importorskip("triton")
     assert "norm kernel ok" in run_in_triton_interpreter(NORM_SCRIPT)
@@ -205,6 +220,24 @@ def test_sam_block_kernels_equal_the_reference_paths_on_gpu(window, grid, monkey
         dense = block(x)
     assert rel_err(fused, dense) <= 1e-2
     torch.testing.assert_close(fused, dense, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.gpu
+def test_quick_gelu_kernel_is_torch_bit_for_bit_on_gpu(monkeypatch):
+    """bf16, CLIP's MLP width: one pass, the same roundings and ops as torch's three kernels;
+    a CLIP MLP the same with the kernel switched off (DEEPSEEK_OCR_ACTIVATION_KERNEL=0)."""
+    from encoder import model
+    from encoder.triton_activation import quick_gelu
+    torch.manual_seed(1)
+    x = 3 * torch.randn(4099, 4096, device="cuda", dtype=torch.bfloat16)
+    want, got = x * torch.sigmoid(1.702 * x), quick_gelu(x)
+    assert torch.equal(got, want), f"{(got != want).sum().item()} of {x.numel()} differ"
+    mlp = model.ClipMLP(1024, 4096).cuda().to(torch.bfloat16)
+    h = torch.randn(2, 101, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        fast = mlp(h)
+        monkeypatch.setattr(model, "ACTIVATION_KERNEL", False)
+        assert torch.equal(fast, mlp(h))
 
 
 @pytest.mark.gpu
@@ -294,7 +327,7 @@ def test_kernel_choices_trace_under_torch_compile_fullgraph():
     from encoder import relpos_attention as attention
 
     def choose(x):
-        return x + (attention._triton() is not None) + (model._norm_module() is not None)
+        return x + (attention._triton() is not None) + (model._pointwise_kernels() is not None)
 
     x = torch.zeros(2)
     assert torch.equal(torch.compile(choose, fullgraph=True, backend="eager")(x), choose(x))
