@@ -99,17 +99,22 @@ def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int) 
     router = Router.options(num_replicas=ROUTERS, ray_actor_options={"num_cpus": ROUTER_CPUS}).bind(
         *encoders, None, config)
     handle = serve.run(router, name=f"bench-{variant}", route_prefix=f"/{variant}")
-    rows, stages = [], None
+    rows, stages, encoder_stages = [], None, None
     for _ in range(reps):
         latency = wall_ms(lambda: handle.encode.remote(pages[0]).result(), ITERS, WARMUP)
-        # One router's stage medians over one-page-at-a-time requests only (taken before any
-        # load: under 64 in flight its encode stage is mostly queueing): where a page's time goes.
+        # One router's and each encoder's stage medians over one-page-at-a-time requests only
+        # (taken before any load: under 64 in flight the stages are mostly queueing): where a
+        # page's time goes.
         stages = stages or handle.timings.remote().result()
+        encoder_stages = encoder_stages or {
+            name: serve.get_deployment_handle(name, f"bench-{variant}").stats.remote().result()["stages_p50_ms"]
+            for name in (["Encoder"] if config.one_encoder else ["GlobalEncoder", "LocalEncoder"])}
         throughput = pages_per_s(lambda: [r.result() for r in [
             handle.encode.remote(pages[i % len(pages)]) for i in range(PAGES)]])
         rows.append({"p50_ms": latency, "pages_per_s_c64": throughput})
     serve.delete(f"bench-{variant}")
     return {"reps": rows, "router_stages_p50_ms_one_at_a_time": stages,
+            "encoder_stages_p50_ms_one_at_a_time": encoder_stages,
             "views_on_encoder": config.views_on_encoder}
 
 
@@ -130,6 +135,9 @@ def main(argv=None):
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few pages")
+    parser.add_argument("--variants", nargs="+", default=["shared", "shared-one-encoder",
+                                                          "shared-router-views"],
+                        help="besides 'separate' (run when there are 2 GPUs)")
     opts = parser.parse_args(argv)
     if opts.smoke:
         PAGES, ROUTERS, ROUTER_CPUS, ENCODER_CPUS, ITERS, WARMUP = 4, 1, 0.25, 0.25, 2, 1
@@ -146,8 +154,7 @@ def main(argv=None):
     print("in-process", baseline, flush=True)
     ray.init(num_gpus=n_gpus, num_cpus=2 if opts.smoke else None, include_dashboard=False)
     variants = {}
-    for variant in (["separate"] if n_gpus >= 2 else []) + ["shared", "shared-one-encoder",
-                                                             "shared-router-views"]:
+    for variant in (["separate"] if n_gpus >= 2 else []) + opts.variants:
         row = through_serve(checkpoint, pages, variant, opts.reps)
         row |= ratios(row["reps"], baseline["reps"])
         variants[variant] = row
@@ -160,7 +167,8 @@ def main(argv=None):
         "throughput_ratio_c64_vs_encode_only": min(r["throughput_ratio_c64_vs_encode_only"]
                                                    for r in measured),
         "router_views_throughput_ratio_c64_vs_encode_only":
-            variants["shared-router-views"]["throughput_ratio_c64_vs_encode_only"],
+            variants["shared-router-views"]["throughput_ratio_c64_vs_encode_only"]
+            if "shared-router-views" in variants else None,
         "variants_run": sorted(variants), "reps": opts.reps, "targets": TARGETS}
     summary["met"] = {
         "latency_ratio_p50": summary["latency_ratio_p50"] <= TARGETS["latency_ratio_p50"],

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -34,15 +35,15 @@ from .protocol import Wire, from_wire, to_wire
 # What a request asks for: its views as sent (a global view [3, S, S], or crops [P, 3, 640,
 # 640]) with `view` None; or decoded pixels [C, H, W] with `view` = (path, mode, grid), from
 # which this replica makes its path's views (views_on_encoder; path "both": the Encoder of
-# one_encoder makes the global view and, for a tiled image, the crops).
+# one_encoder makes the global view and, for a tiled image, the crops); and when it arrived.
 ViewSpec = tuple[str, str, tuple[int, int]]
-Request = tuple[Wire, ViewSpec | None]
+Request = tuple[Wire, ViewSpec | None, float]
 
 
 def _views(requests: list[Request]) -> int:
     """Views in a batch of requests (the batch size Serve counts)."""
     def count(request: Request) -> int:
-        (array, _), view = request
+        (array, _), view, _ = request
         if view is not None:
             path, _, (w_tiles, h_tiles) = view
             return w_tiles * h_tiles if path == "local" else 1  # "both": counted in images
@@ -91,6 +92,7 @@ class PathEncoder:
         # A batch's size in images for both paths (the planner cuts it to both paths' budgets).
         self.encode_batch.set_max_batch_size(self.runners[0].budgets.max_units)
         self.request_batches: Counter = Counter()  # requests per executed batch
+        self.recent: deque[dict] = deque(maxlen=1000)  # per-batch stage timings
         self.broken: str | None = None
         self.busy_since: float | None = None  # when the batch on the worker thread started
         self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)
@@ -119,11 +121,11 @@ class PathEncoder:
         (global tokens, crop tokens or None when not tiled)."""
         if view is not None:
             check_view(self.path, pixels, view)
-        return await self.encode_batch((pixels, view))
+        return await self.encode_batch((pixels, view, time.perf_counter()))
 
-    # A short wait: a lone request pays it in full, while under load batches fill up anyway
-    # during the previous batch's GPU work.
-    @serve.batch(batch_wait_timeout_s=0.002, max_concurrent_batches=1, batch_size_fn=_views)
+    # No wait for more arrivals: a lone request would pay it in full, and under load a batch
+    # fills up anyway while the one before it runs (one batch at a time).
+    @serve.batch(batch_wait_timeout_s=0, max_concurrent_batches=1, batch_size_fn=_views)
     async def encode_batch(self, requests: list[Request]) -> list[Wire]:
         return await asyncio.get_running_loop().run_in_executor(self.worker, self._run_batch, requests)
 
@@ -137,20 +139,28 @@ class PathEncoder:
     def _encode(self, requests: list[Request]) -> list:
         self.request_batches[len(requests)] += 1
         before, start = self.engine.stats(), time.perf_counter()
-        try:
-            views = [self._views_of(*r) for r in requests]  # (global view, crops) per request
+        try:  # (global view, crops) per request
+            views = [self._views_of(pixels, view) for pixels, view, _ in requests]
+            made = time.perf_counter()
             out = self.engine.run([g for g, _ in views], [c for _, c in views])
         except RuntimeError as e:
             if "CUDA" in str(e):  # a CUDA fault poisons the context: let Serve replace us
                 self.broken = f"{type(e).__name__}: {e}"
             raise
-        self._record((time.perf_counter() - start) * 1e3, views, before, self.engine.stats())
+        encoded = time.perf_counter()
+        self._record((encoded - start) * 1e3, views, before, self.engine.stats())
         if self.path == "global":
-            return [to_wire(o.global_tokens) for o in out]
-        if self.path == "local":
-            return [to_wire(o.crop_tokens) for o in out]
-        return [(to_wire(o.global_tokens), None if o.crop_tokens is None else to_wire(o.crop_tokens))
-                for o in out]
+            results = [to_wire(o.global_tokens) for o in out]
+        elif self.path == "local":
+            results = [to_wire(o.crop_tokens) for o in out]
+        else:
+            results = [(to_wire(o.global_tokens),
+                        None if o.crop_tokens is None else to_wire(o.crop_tokens)) for o in out]
+        if requests:
+            self.recent.append({"wait_ms": statistics.median((start - r[2]) * 1e3 for r in requests),
+                                "views_ms": (made - start) * 1e3, "run_ms": (encoded - made) * 1e3,
+                                "results_ms": (time.perf_counter() - encoded) * 1e3})
+        return results
 
     def _views_of(self, pixels: Wire, view: ViewSpec | None):
         """A request's (global view, crops), None where it sends nothing to that path: as
@@ -206,6 +216,16 @@ class PathEncoder:
             self.broken = f"{type(e).__name__}: {e}"
             raise
 
+    def stage_medians(self) -> dict:
+        """Median ms per stage over the last 1,000 batches: a request's wait from arrival to
+        its batch's start (the median request of each batch), making the views, the engine's
+        run (on a GPU, queuing the work) and the results copied off the device (on a GPU, until
+        the work is done)."""
+        keys = ("wait_ms", "views_ms", "run_ms", "results_ms")
+        return {"batches": len(self.recent),
+                **{k: statistics.median(t[k] for t in self.recent) if self.recent else None
+                   for k in keys}}
+
     def ready(self) -> dict:
         """Answers once the constructor (weights, graph capture) has finished."""
         return {"ready": True, "path": self.path, "graphs": sum(len(r.graphs) for r in self.runners),
@@ -215,4 +235,5 @@ class PathEncoder:
         return {"path": self.path, "model": self.model_label, "replica": replica_id(),
                 "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids(),
                 "requests_per_batch": dict(sorted(self.request_batches.items())),
+                "stages_p50_ms": self.stage_medians(),
                 **(self.engine.stats() if self.path == "both" else self.engine.stats()[self.path])}

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+import ray
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
@@ -52,7 +53,7 @@ from .media import crop_image_blocks, decode_data_url, read_image_url
 from .metrics import router_metrics
 from .model_source import replica_id, resolve_checkpoint, use_assigned_cpu_threads
 from .protocol import (BadRequest, Document, NotFound, OcrOptions, PayloadTooLarge,
-                       UnsupportedMediaType, from_wire, to_wire)
+                       UnsupportedMediaType, from_wire, send_tensors_out_of_band, to_wire)
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="DeepSeek-OCR on Ray Serve")
@@ -215,6 +216,7 @@ class Router:
                  decoder: DeploymentHandle | None, config: AppConfig):
         """`local_encoder` None: `global_encoder` is the one Encoder of both paths (one_encoder)."""
         use_assigned_cpu_threads()
+        send_tensors_out_of_band()  # the sequences Router.encode returns
         self.global_encoder, self.local_encoder, self.decoder = global_encoder, local_encoder, decoder
         self.config = config
         directory, self.model_label = resolve_checkpoint(config.checkpoint)
@@ -499,7 +501,8 @@ class Router:
             return self._assembled(image, *(None if t is None else from_wire(t) for t in tokens),
                                    start, image.decode_ms)
         if isinstance(pending, DecodedImage):
-            pixels = to_wire(pending.pixels)
+            # One copy into the object store for both encoders (each call would make its own).
+            pixels = ray.put(to_wire(pending.pixels)) if pending.tiled else to_wire(pending.pixels)
             global_call = asyncio.ensure_future(call_with_retry(
                 self.global_encoder.encode, pixels, ("global", pending.mode, pending.grid)))
         else:

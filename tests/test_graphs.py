@@ -98,9 +98,9 @@ def through_deployments(replicas, items):
     """Every image's views as one batch of requests to each deployment, assembled."""
     from deployments.protocol import from_wire, to_wire
     global_replica, local_replica = replicas
-    global_tokens = global_replica._run_batch([(to_wire(it.global_view), None) for it in items])
+    global_tokens = global_replica._run_batch([(to_wire(it.global_view), None, 0.0) for it in items])
     tiled = [it for it in items if it.tiled]
-    crop_tokens = iter(local_replica._run_batch([(to_wire(it.crops), None) for it in tiled]))
+    crop_tokens = iter(local_replica._run_batch([(to_wire(it.crops), None, 0.0) for it in tiled]))
     enc = global_replica.engine.encoder  # the router holds these two on CPU, as here
     newline, separator = enc.image_newline.cpu(), enc.view_seperator.cpu()
     return [assemble(from_wire(g), from_wire(next(crop_tokens)) if it.tiled else None, it.grid,
@@ -114,7 +114,7 @@ def through_one_encoder(replica, images):
     from deployments.protocol import from_wire, to_wire
     from encoder.preprocess import decode
     decoded = [decode(im) for im in images]
-    tokens = replica._run_batch([(to_wire(d.pixels), ("both", d.mode, d.grid)) for d in decoded])
+    tokens = replica._run_batch([(to_wire(d.pixels), ("both", d.mode, d.grid), 0.0) for d in decoded])
     enc = replica.engine.encoder
     newline, separator = enc.image_newline.cpu(), enc.view_seperator.cpu()
     return [assemble(from_wire(g), None if c is None else from_wire(c), d.grid, newline, separator)
