@@ -52,6 +52,10 @@ class AppConfig(BaseModel):
         True, description="routers only decode images; the encoders make the views on their "
         "device (GPU: PIL's exact bicubic arithmetic as tensor math; CPU: PIL); false: routers "
         "make them with PIL")
+    views_on_arrival: bool = Field(
+        True, description="with views_on_encoder, a GPU encoder makes each request's views as "
+        "it arrives (a thread and CUDA stream of their own, while the batch before runs); "
+        "false (and on CPUs): in its batch, before the batch runs")
     max_images_per_request: int = Field(16, ge=1, le=256, description="images in one request")
     max_request_mb: int = Field(64, ge=1, le=2048, description="largest request body (HTTP 413 above)")
     max_pages: int = Field(5000, ge=1, le=100_000, description="pages of one PDF (HTTP 413 above)")

@@ -8,17 +8,25 @@ into token-budget batches by the scheduler's planner and replayed from this path
 or run eagerly. The engine runs on one worker thread of the replica (capture and every replay),
 so the replica's event loop stays free for health checks and new arrivals while a batch runs;
 one batch at a time, since graphs own their static buffers. On CPU it runs eagerly.
+
+On a GPU, views made here from decoded pixels are made as each request arrives, on a views
+thread and a CUDA stream of their own (`views_on_arrival`): while one batch runs the next one's
+views are made, instead of the GPU waiting ~2 ms a page for them before each batch. Otherwise
+(the switch off, or a CPU) they are made in the batch, on the worker thread: the reference twin.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import statistics
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import ray
+import torch
 from ray import serve
 
 from encoder import DualPathEncoder, load_encoder
@@ -32,18 +40,39 @@ from .model_source import (device_and_dtype, replica_id, resolve_checkpoint, sta
 from .protocol import Wire, from_wire, to_wire
 
 
-# What a request asks for: its views as sent (a global view [3, S, S], or crops [P, 3, 640,
-# 640]) with `view` None; or decoded pixels [C, H, W] with `view` = (path, mode, grid), from
-# which this replica makes its path's views (views_on_encoder; path "both": the Encoder of
-# one_encoder makes the global view and, for a tiled image, the crops); and when it arrived.
 ViewSpec = tuple[str, str, tuple[int, int]]
-Request = tuple[Wire, ViewSpec | None, float]
+
+
+@dataclass
+class Views:
+    """One request's views on this replica's device: the global view [3, S, S] and the crops
+    [P, 3, 640, 640], None where it sends nothing to that path; `ready` (CUDA): recorded on the
+    stream that made them, which the batch's stream waits for."""
+
+    global_view: torch.Tensor | None
+    crops: torch.Tensor | None
+    ready: torch.cuda.Event | None = None
+    ms: float = 0.0  # making them took
+
+
+@dataclass
+class Request:
+    """What a request asks for: its views as sent (a global view [3, S, S], or crops [P, 3, 640,
+    640]) with `view` None; or decoded pixels [C, H, W] with `view` = (path, mode, grid), from
+    which this replica makes its path's views (views_on_encoder; path "both": the Encoder of
+    one_encoder makes the global view and, for a tiled image, the crops). `views`: made on
+    arrival (views_on_arrival), else in the batch."""
+
+    pixels: Wire
+    view: ViewSpec | None = None
+    arrived: float = field(default_factory=time.perf_counter)
+    views: Views | None = None
 
 
 def _views(requests: list[Request]) -> int:
     """Views in a batch of requests (the batch size Serve counts)."""
     def count(request: Request) -> int:
-        (array, _), view, _ = request
+        (array, _), view = request.pixels, request.view
         if view is not None:
             path, _, (w_tiles, h_tiles) = view
             return w_tiles * h_tiles if path == "local" else 1  # "both": counted in images
@@ -87,6 +116,8 @@ class PathEncoder:
         use_assigned_cpu_threads()
         cuda = start_cuda(config.gpu_memory_fraction(path))
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{path}-encoder")
+        self.views_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{path}-views")
+        self.views_stream = None  # CUDA: made with the engine
         self.engine = self.worker.submit(self._load, config, constructor_start, cuda).result()
         self.runners = self.engine.paths  # this replica's paths' graphs
         # A batch's size in images for both paths (the planner cuts it to both paths' budgets).
@@ -107,6 +138,11 @@ class PathEncoder:
                                  max_graph_memory_gb=config.max_graph_memory_gb,
                                  paths=("global", "local") if self.path == "both" else (self.path,),
                                  compile=config.compile_encoder)
+        # Only a GPU's batch leaves the host free to make views meanwhile (on a CPU both compete
+        # for the same cores, and batches would shrink to the requests whose views are done).
+        self.views_on_arrival = config.views_on_arrival and encoder.device.type == "cuda"
+        if encoder.device.type == "cuda":
+            self.views_stream = torch.cuda.Stream(encoder.device)
         self.startup_s = startup_phases(constructor_start, cuda=cuda, weights=loaded - start,
                                         **{f"weights_{k}": v for k, v in reads.items() if k != "gb"},
                                         graphs=time.perf_counter() - loaded)
@@ -119,9 +155,13 @@ class PathEncoder:
         and this replica makes the views first, on its device (`encoder.preprocess`).
         Encoder (one_encoder; `view` = ("both", mode, grid)): an image's decoded pixels ->
         (global tokens, crop tokens or None when not tiled)."""
+        request = Request(pixels, view)
         if view is not None:
             check_view(self.path, pixels, view)
-        return await self.encode_batch((pixels, view, time.perf_counter()))
+            if self.views_on_arrival:
+                request.views = await asyncio.get_running_loop().run_in_executor(
+                    self.views_worker, self._views_of, pixels, view)
+        return await self.encode_batch(request)
 
     # No wait for more arrivals: a lone request would pay it in full, and under load a batch
     # fills up anyway while the one before it runs (one batch at a time).
@@ -139,10 +179,13 @@ class PathEncoder:
     def _encode(self, requests: list[Request]) -> list:
         self.request_batches[len(requests)] += 1
         before, start = self.engine.stats(), time.perf_counter()
-        try:  # (global view, crops) per request
-            views = [self._views_of(pixels, view) for pixels, view, _ in requests]
+        try:
+            views = [r.views or self._views_of(r.pixels, r.view) for r in requests]
             made = time.perf_counter()
-            out = self.engine.run([g for g, _ in views], [c for _, c in views])
+            for v in views:
+                if v.ready is not None:  # made on the views stream: this stream waits for them
+                    torch.cuda.current_stream(self.engine.encoder.device).wait_event(v.ready)
+            out = self.engine.run([v.global_view for v in views], [v.crops for v in views])
         except RuntimeError as e:
             if "CUDA" in str(e):  # a CUDA fault poisons the context: let Serve replace us
                 self.broken = f"{type(e).__name__}: {e}"
@@ -157,33 +200,47 @@ class PathEncoder:
             results = [(to_wire(o.global_tokens),
                         None if o.crop_tokens is None else to_wire(o.crop_tokens)) for o in out]
         if requests:
-            self.recent.append({"wait_ms": statistics.median((start - r[2]) * 1e3 for r in requests),
-                                "views_ms": (made - start) * 1e3, "run_ms": (encoded - made) * 1e3,
+            self.recent.append({"wait_ms": statistics.median((start - r.arrived) * 1e3 for r in requests),
+                                "views_ms": statistics.median(v.ms for v in views),
+                                "batch_views_ms": (made - start) * 1e3, "run_ms": (encoded - made) * 1e3,
                                 "results_ms": (time.perf_counter() - encoded) * 1e3})
         return results
 
-    def _views_of(self, pixels: Wire, view: ViewSpec | None):
-        """A request's (global view, crops), None where it sends nothing to that path: as
-        sent, or made here from decoded pixels (on a GPU with the exact tensor resize, on a CPU
-        with PIL: `global_view_of`, `crops_of`)."""
+    def _views_of(self, pixels: Wire, view: ViewSpec | None) -> Views:
+        """A request's views: as sent, or made here from decoded pixels (on a GPU with the
+        exact tensor resize, on the views stream; on a CPU with PIL: `global_view_of`,
+        `crops_of`)."""
         if view is None:
             sent = from_wire(pixels)
-            return (sent, None) if self.path == "global" else (None, sent)
-        _, mode, grid = view
-        decoded = from_wire(pixels).to(self.engine.encoder.device)
-        global_view = global_view_of(decoded, mode) if self.path != "local" else None
-        crops = crops_of(decoded, grid) if self.path != "global" and grid != (1, 1) else None
-        return global_view, crops
+            return Views(sent, None) if self.path == "global" else Views(None, sent)
+        start, (_, mode, grid) = time.perf_counter(), view
+        stream = self.views_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            decoded = from_wire(pixels).to(self.engine.encoder.device)
+            global_view = global_view_of(decoded, mode) if self.path != "local" else None
+            crops = crops_of(decoded, grid) if self.path != "global" and grid != (1, 1) else None
+            ready = None
+            if stream is not None:
+                ready = torch.cuda.Event()
+                ready.record(stream)
+                # Read by the batch's stream, maybe after their last reference is dropped here:
+                # the allocator must not hand their memory back to this stream before that.
+                batch_stream = torch.cuda.default_stream(self.engine.encoder.device)
+                for t in (global_view, crops):
+                    if t is not None:
+                        t.record_stream(batch_stream)
+        return Views(global_view, crops, ready, (time.perf_counter() - start) * 1e3)
 
-    def _record(self, ms: float, views: list, before: dict, after: dict) -> None:
+    def _record(self, ms: float, views: list[Views], before: dict, after: dict) -> None:
         metrics = encoder_metrics()
-        for part, path in ((0, "global"), (1, "local")):
+        counts = {"global": sum(v.global_view is not None for v in views),
+                  "local": sum(len(v.crops) for v in views if v.crops is not None)}
+        for path, count in counts.items():
             if path not in after:
                 continue
             tags = {"path": path}
             metrics["batch_ms"].observe(ms, tags=tags)
-            metrics["batch_views"].observe(sum(len(v[1]) if part else 1 for v in views
-                                               if v[part] is not None), tags=tags)
+            metrics["batch_views"].observe(count, tags=tags)
             for result, key in (("hit", "graph_hits"), ("miss", "graph_misses")):
                 if after[path][key] > before[path][key]:
                     metrics["graph_batches"].inc(after[path][key] - before[path][key],
@@ -218,10 +275,11 @@ class PathEncoder:
 
     def stage_medians(self) -> dict:
         """Median ms per stage over the last 1,000 batches: a request's wait from arrival to
-        its batch's start (the median request of each batch), making the views, the engine's
-        run (on a GPU, queuing the work) and the results copied off the device (on a GPU, until
-        the work is done)."""
-        keys = ("wait_ms", "views_ms", "run_ms", "results_ms")
+        its batch's start (the median request of each batch), making one request's views, the
+        batch's time making views (none when made on arrival), the engine's run (on a GPU,
+        queuing the work) and the results copied off the device (on a GPU, until the work is
+        done)."""
+        keys = ("wait_ms", "views_ms", "batch_views_ms", "run_ms", "results_ms")
         return {"batches": len(self.recent),
                 **{k: statistics.median(t[k] for t in self.recent) if self.recent else None
                    for k in keys}}

@@ -234,4 +234,3 @@ def send_tensors_out_of_band() -> None:
 
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
                  torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128}
-

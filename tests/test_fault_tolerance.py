@@ -50,12 +50,11 @@ def test_encoder_replica_reports_a_cuda_fault_to_its_health_check(monkeypatch):
     import numpy as np
 
     from deployments.config import AppConfig
-    from deployments.encoders import PathEncoder
+    from deployments.encoders import PathEncoder, Request
     encoder = PathEncoder.func_or_class("global", AppConfig())
     asyncio.run(encoder.check_health())  # healthy
-    # (pixels, view spec, arrival time): a global view as sent; decoded pixels
-    view = ((np.zeros((3, 1024, 1024), np.uint8), "uint8"), None, 0.0)
-    decoded = ((np.zeros((1, 700, 500), np.uint8), "uint8"), ("global", "gundam", (1, 2)), 0.0)
+    view = Request((np.zeros((3, 1024, 1024), np.uint8), "uint8"))  # a global view, as sent
+    decoded = Request((np.zeros((1, 700, 500), np.uint8), "uint8"), ("global", "gundam", (1, 2)))
     assert [r[0].shape[0] for r in encoder._run_batch([view, decoded])] == [272, 272]  # a real batch runs
 
     def cuda_fault(*args):

@@ -96,11 +96,12 @@ def deployment_engines(config):
 
 def through_deployments(replicas, items):
     """Every image's views as one batch of requests to each deployment, assembled."""
+    from deployments.encoders import Request
     from deployments.protocol import from_wire, to_wire
     global_replica, local_replica = replicas
-    global_tokens = global_replica._run_batch([(to_wire(it.global_view), None, 0.0) for it in items])
+    global_tokens = global_replica._run_batch([Request(to_wire(it.global_view)) for it in items])
     tiled = [it for it in items if it.tiled]
-    crop_tokens = iter(local_replica._run_batch([(to_wire(it.crops), None, 0.0) for it in tiled]))
+    crop_tokens = iter(local_replica._run_batch([Request(to_wire(it.crops)) for it in tiled]))
     enc = global_replica.engine.encoder  # the router holds these two on CPU, as here
     newline, separator = enc.image_newline.cpu(), enc.view_seperator.cpu()
     return [assemble(from_wire(g), from_wire(next(crop_tokens)) if it.tiled else None, it.grid,
@@ -111,10 +112,11 @@ def through_deployments(replicas, items):
 def through_one_encoder(replica, images):
     """Every image's decoded pixels as one batch of requests to the one Encoder (one_encoder),
     assembled as the router assembles them."""
+    from deployments.encoders import Request
     from deployments.protocol import from_wire, to_wire
     from encoder.preprocess import decode
     decoded = [decode(im) for im in images]
-    tokens = replica._run_batch([(to_wire(d.pixels), ("both", d.mode, d.grid), 0.0) for d in decoded])
+    tokens = replica._run_batch([Request(to_wire(d.pixels), ("both", d.mode, d.grid)) for d in decoded])
     enc = replica.engine.encoder
     newline, separator = enc.image_newline.cpu(), enc.view_seperator.cpu()
     return [assemble(from_wire(g), None if c is None else from_wire(c), d.grid, newline, separator)
@@ -149,6 +151,44 @@ def test_deployments_run_the_in_process_engine_cpu():
     for a, b in zip(through_one_encoder(one, images), fresh.encode_images(images)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert one.engine.stats() == fresh.stats()
+
+
+def check_views_made_on_arrival():
+    """A batch of decoded-pixel requests whose views were made as each arrived (what `encode`
+    does with views_on_arrival on a GPU: on the views thread and stream) and the same batch
+    making them itself (the twin): the same tokens, bit for bit, and the stage timings
+    recorded. The replica's device: the GPU where there is one."""
+    from deployments.config import AppConfig
+    from deployments.encoders import PathEncoder, Request
+    from deployments.protocol import from_wire, to_wire
+    from encoder.preprocess import decode
+    decoded = [decode(image(w, h, i)) for i, (w, h) in enumerate(MIXED)]
+    replica = PathEncoder.func_or_class("both", AppConfig(max_images=4, one_encoder=True))
+    assert replica.views_on_arrival == torch.cuda.is_available()
+    requests = [Request(to_wire(d.pixels), ("both", d.mode, d.grid)) for d in decoded]
+    in_batch = replica._run_batch(requests)
+    for r in requests:
+        r.views = replica.views_worker.submit(replica._views_of, r.pixels, r.view).result()
+        assert (r.views.ready is not None) == torch.cuda.is_available()
+    on_arrival = replica._run_batch(requests)
+    for (g1, c1), (g2, c2) in zip(on_arrival, in_batch):
+        assert torch.equal(from_wire(g1), from_wire(g2))
+        assert (c1 is None) == (c2 is None) and (c1 is None or torch.equal(from_wire(c1), from_wire(c2)))
+    stages = replica.stats()["stages_p50_ms"]
+    assert stages["batches"] == 2 and stages["views_ms"] > 0 and stages["run_ms"] > 0
+
+
+def test_views_made_on_arrival_equal_views_made_in_the_batch():
+    pytest.importorskip("ray")
+    check_views_made_on_arrival()
+
+
+@pytest.mark.gpu
+def test_views_made_on_arrival_equal_views_made_in_the_batch_on_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("ray")
+    check_views_made_on_arrival()
 
 
 # --- GPU ------------------------------------------------------------------------------------------
