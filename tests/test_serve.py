@@ -282,3 +282,28 @@ def test_prompt_presets_and_output_formats(handle):
     response = requests.post(f"{URL}/v1/ocr", json=body, timeout=120)
     assert response.status_code == 400
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_tensors_sent_out_of_band_arrive_equal(handle):
+    """A process that called `send_tensors_out_of_band` (every Router does) returns torch
+    tensors as out-of-band numpy, rebuilt here with no registration: bf16 and fp32 equal and
+    of their dtype, a dtype numpy lacks (fp8) and a 0-dim tensor too; nested in a list as
+    Router.encode returns them."""
+    @ray.remote(num_cpus=0)
+    def send():
+        from deployments.protocol import send_tensors_out_of_band
+        send_tensors_out_of_band()
+        from ray import cloudpickle
+        rebuild, (sent,) = cloudpickle.CloudPickler.dispatch[torch.Tensor](torch.ones(2, dtype=torch.bfloat16))
+        assert rebuild.__qualname__.endswith("tensor") and sent[1:] == ("bfloat16", (2,)), sent
+        gen = torch.Generator().manual_seed(0)
+        return [torch.randn(903, 1280, generator=gen).to(torch.bfloat16), torch.arange(6.0).reshape(2, 3),
+                torch.arange(4.0).to(torch.float8_e4m3fn), torch.tensor(7)]
+
+    got = ray.get(send.remote())
+    gen = torch.Generator().manual_seed(0)
+    want = [torch.randn(903, 1280, generator=gen).to(torch.bfloat16), torch.arange(6.0).reshape(2, 3),
+            torch.arange(4.0).to(torch.float8_e4m3fn), torch.tensor(7)]
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert torch.equal(g.float(), w.float())
