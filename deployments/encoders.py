@@ -34,7 +34,7 @@ from encoder.preprocess import (DEFAULT_MAX_CROPS, MAX_CROPS_LIMIT, check_view_o
                                 global_view_of)
 
 from .config import PROBE_EVERY_S, STUCK_AFTER_S, AppConfig
-from .metrics import encoder_metrics
+from .metrics import encoder_metrics, medians
 from .model_source import (device_and_dtype, replica_id, resolve_checkpoint, start_cuda, startup_phases,
                            use_assigned_cpu_threads)
 from .protocol import Wire, from_wire, to_wire
@@ -117,7 +117,7 @@ class PathEncoder:
         cuda = start_cuda(config.gpu_memory_fraction(path))
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{path}-encoder")
         self.views_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{path}-views")
-        self.views_stream = None  # CUDA: made with the engine
+        self.views_stream = self.batch_stream = None  # CUDA: made with the engine
         self.engine = self.worker.submit(self._load, config, constructor_start, cuda).result()
         self.runners = self.engine.paths  # this replica's paths' graphs
         # A batch's size in images for both paths (the planner cuts it to both paths' budgets).
@@ -143,6 +143,7 @@ class PathEncoder:
         self.views_on_arrival = config.views_on_arrival and encoder.device.type == "cuda"
         if encoder.device.type == "cuda":
             self.views_stream = torch.cuda.Stream(encoder.device)
+            self.batch_stream = torch.cuda.current_stream(encoder.device)  # this worker thread's
         self.startup_s = startup_phases(constructor_start, cuda=cuda, weights=loaded - start,
                                         **{f"weights_{k}": v for k, v in reads.items() if k != "gb"},
                                         graphs=time.perf_counter() - loaded)
@@ -184,7 +185,7 @@ class PathEncoder:
             made = time.perf_counter()
             for v in views:
                 if v.ready is not None:  # made on the views stream: this stream waits for them
-                    torch.cuda.current_stream(self.engine.encoder.device).wait_event(v.ready)
+                    self.batch_stream.wait_event(v.ready)
             out = self.engine.run([v.global_view for v in views], [v.crops for v in views])
         except RuntimeError as e:
             if "CUDA" in str(e):  # a CUDA fault poisons the context: let Serve replace us
@@ -225,10 +226,9 @@ class PathEncoder:
                 ready.record(stream)
                 # Read by the batch's stream, maybe after their last reference is dropped here:
                 # the allocator must not hand their memory back to this stream before that.
-                batch_stream = torch.cuda.default_stream(self.engine.encoder.device)
                 for t in (global_view, crops):
                     if t is not None:
-                        t.record_stream(batch_stream)
+                        t.record_stream(self.batch_stream)
         return Views(global_view, crops, ready, (time.perf_counter() - start) * 1e3)
 
     def _record(self, ms: float, views: list[Views], before: dict, after: dict) -> None:
@@ -280,9 +280,7 @@ class PathEncoder:
         queuing the work) and the results copied off the device (on a GPU, until the work is
         done)."""
         keys = ("wait_ms", "views_ms", "batch_views_ms", "run_ms", "results_ms")
-        return {"batches": len(self.recent),
-                **{k: statistics.median(t[k] for t in self.recent) if self.recent else None
-                   for k in keys}}
+        return {"batches": len(self.recent), **medians(self.recent, keys)}
 
     def ready(self) -> dict:
         """Answers once the constructor (weights, graph capture) has finished."""

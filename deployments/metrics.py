@@ -6,12 +6,19 @@ latency and queue series. Each deployment creates the metrics it records, once p
 """
 from __future__ import annotations
 
+import statistics
 from functools import cache
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 MS_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000, 30_000, 60_000, 300_000]
 VIEW_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def medians(recent, keys: tuple[str, ...]) -> dict:
+    """The median of each `key` over a replica's `recent` stage timings (dicts); None while
+    there are none."""
+    return {k: statistics.median(t[k] for t in recent) if recent else None for k in keys}
 
 
 @cache

@@ -21,7 +21,6 @@ import hmac
 import json
 import logging
 import os
-import statistics
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -50,7 +49,7 @@ from . import pages
 from .config import AppConfig
 from .encoded_cache import EncodedCache, content_key
 from .media import crop_image_blocks, decode_data_url, read_image_url
-from .metrics import router_metrics
+from .metrics import medians, router_metrics
 from .model_source import replica_id, resolve_checkpoint, use_assigned_cpu_threads
 from .protocol import (BadRequest, Document, NotFound, OcrOptions, PayloadTooLarge,
                        UnsupportedMediaType, from_wire, send_tensors_out_of_band, to_wire)
@@ -289,9 +288,7 @@ class Router:
         encoding by then), encode (until both paths answered), assemble, and the whole encoding
         of the request."""
         keys = ("preprocess_ms", "encode_ms", "assemble_ms", "total_ms")
-        return {"requests": len(self.recent),
-                **{k: statistics.median(t[k] for t in self.recent) if self.recent else None
-                   for k in keys}}
+        return {"requests": len(self.recent), **medians(self.recent, keys)}
 
     # -- one request ----------------------------------------------------------------------------
     async def _ocr(self, image, options: OcrOptions, page: int = 0) -> dict:
