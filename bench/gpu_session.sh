@@ -2,11 +2,12 @@
 # The GPU measurements of issue 14, one phase per call of under ten minutes, on one H200.
 #
 #   bash bench/gpu_session.sh encoder   # GPU tests (encoder, views, decoder), graph_bench
+#   bash bench/gpu_session.sh kernels   # encoder kernel tiles tuned and written, GELU epilogue, graph_bench, GPU tests
 #   bash bench/gpu_session.sh decoder   # decoder GPU tests, decoder_bench (prefill kernels against their
 #                                       # twins) and profile, both experts kernels
 #   bash bench/gpu_session.sh tune-moe  # the fused MoE kernels' tiles, decode and prefill (bench/tune_moe_kernel.py)
 #   bash bench/gpu_session.sh compile   # compile_bench --all_budgets twice (cold, warm cache), compile test
-#   bash bench/gpu_session.sh serve     # serve_bench (needs the Ray bundle)
+#   bash bench/gpu_session.sh serve     # GPU tests that need Ray, serve_bench with py-spy samples (needs the Ray bundle)
 #   bash bench/gpu_session.sh e2e       # e2e_bench (needs the Ray bundle)
 #   bash bench/gpu_session.sh e2e-one-encoder   # e2e_bench of gpu-shared-one-encoder.yaml
 #   bash bench/gpu_session.sh startup   # e2e_bench's cold start and one page alone, three ways (~5 min)
@@ -28,13 +29,22 @@ ray_bundle() {
   export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH"
 }
 
-case "${1:?phase: encoder, decoder, tune-moe, compile, serve, e2e, e2e-one-encoder or startup}" in
+case "${1:?phase: encoder, kernels, decoder, tune-moe, compile, serve, e2e, e2e-one-encoder or startup}" in
   encoder)
     if [ -f .devpkgs/ray-site.tar.xz ] && [ -d .whl ]; then ray_bundle; fi  # the deployment test needs Ray
     python3 -m pytest -q -rs -m gpu tests/test_checkpoint.py tests/test_resize.py tests/test_graphs.py tests/test_attention.py \
       tests/test_engine.py tests/test_decoder_model.py tests/test_sampling.py 2>&1 | tee "$out/gpu-tests.txt" | tail -5 \
       || echo "GPU TESTS FAILED (see gpu-tests.txt)"
     python3 bench/graph_bench.py --out "$out" 2>&1 | tail -30
+    ;;
+  kernels)  # the encoder's kernel choices measured, the tuned tiles written, then graph_bench and GPU tests
+    python3 bench/mlp_epilogue_bench.py --out "$out" 2>&1 | tail -5
+    timeout 240 python3 bench/tune_relpos_kernel.py --jobs 16 --write_tuned 1 --out "$out" 2>&1 \
+      | grep "best\|width\|TUNED\|compiled\|Error" || echo "TUNING FAILED"
+    cp encoder/triton_relpos.py "$out/triton_relpos.py"  # with the TUNED table just written
+    timeout 240 python3 bench/graph_bench.py --out "$out" 2>&1 | tail -14 || echo "GRAPH BENCH FAILED"
+    timeout 150 python3 -m pytest -q -rs -m gpu tests/test_attention.py tests/test_model.py tests/test_graphs.py 2>&1 \
+      | tee "$out/gpu-tests-kernels.txt" | tail -4 || echo "GPU TESTS FAILED"
     ;;
   decoder)  # the decoder's GPU tests, then the bench and profile with each experts kernel, and a prefill
     python3 -m pytest -q -rs -s -m gpu tests/test_decoder_model.py tests/test_engine.py 2>&1 \
@@ -56,9 +66,12 @@ case "${1:?phase: encoder, decoder, tune-moe, compile, serve, e2e, e2e-one-encod
     python3 -m pytest -q -s -m gpu tests/test_graphs.py -k compiled 2>&1 | tee "$out/gpu-tests-compile.txt" \
       | grep "relative error\|passed\|failed" || echo "COMPILE TEST FAILED"
     ;;
-  serve)
+  serve)  # the GPU tests that need Ray, then serve_bench with py-spy samples of the first variant
     ray_bundle
-    python3 bench/serve_bench.py --out "$out" 2>&1 | grep -v " INFO \| WARNING " | tail -40
+    timeout 150 python3 -m pytest -q -rs --tb=short -m gpu tests/test_graphs.py -k "not compiled" 2>&1 \
+      | tee "$out/gpu-tests-serve.txt" | tail -4 || echo "GPU TESTS FAILED"
+    python3 bench/serve_bench.py --variants shared shared-one-encoder --py_spy "$out" --out "$out" 2>&1 \
+      | grep -v " INFO \| WARNING " | tail -40
     ;;
   e2e)
     ray_bundle

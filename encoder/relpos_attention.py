@@ -179,10 +179,8 @@ def relpos_attention(q, k, v, rel_pos_h, rel_pos_w, hw: tuple[int, int], impl: s
         # Both terms from one Triton kernel reading q where the projection left it: the
         # einsums copy the strided q twice and permute their outputs (~15% of a global view's
         # time in copies). Under torch.compile the einsums stay (Inductor fuses them).
-        kernels = _triton()
-        rel_h, rel_w = kernels.rel_pos_terms(q, rel_table(hw[0], rel_pos_h).to(q.dtype),
-                                             rel_table(hw[1], rel_pos_w).to(q.dtype), hw)
-        return kernels.relpos_attention(q, k, v, rel_h, rel_w)
+        return _triton().attention(q, k, v, rel_table(hw[0], rel_pos_h).to(q.dtype),
+                                   rel_table(hw[1], rel_pos_w).to(q.dtype), hw)
     rel_h, rel_w = rel_pos_terms(q, rel_pos_h, rel_pos_w, hw)
     if impl == "fused":
         return fused_relpos_attention(q, k, v, rel_h, rel_w)

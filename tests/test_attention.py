@@ -89,6 +89,8 @@ from encoder.relpos_attention import dense_relpos_attention, rel_pos_terms, rel_
 from encoder import triton_relpos
 from encoder.triton_relpos import relpos_attention, relpos_attention_triton
 from tests.test_attention import inputs
+SPLITS = {(40, 40): [dict(BLOCK_M=64, ROWS=2, ROW_PAD=64), dict(BLOCK_M=64, ROWS=4, ROW_PAD=32, TAIL_ROWS=16)],
+          (5, 9): [dict(BLOCK_M=64, ROWS=2, ROW_PAD=8, TAIL_ROWS=16)]}
 for hw, rows, bsz in [((14, 14), 27, 2), ((40, 40), 127, 1), ((5, 9), 27, 1), ((8, 8), 27, 1),
                       ((16, 16), 27, 1)]:
     q, k, v, rph, rpw = inputs(bsz, hw, rows, seed=7)
@@ -104,12 +106,20 @@ for hw, rows, bsz in [((14, 14), 27, 2), ((40, 40), 127, 1), ((5, 9), 27, 1), ((
     err = ((out - ref).norm() / ref.norm()).item()
     assert out.shape == ref.shape and out.transpose(1, 2).is_contiguous(), (out.shape, out.stride())
     assert err <= 1e-5, (hw, err)
+    # Other tile configs than the tuned one: each row padded to a power of two in one part, or
+    # split in two parts (the tail's columns and rows masked where they overhang).
+    for tiles in SPLITS.get(hw, []):
+        out = triton_relpos.launch(q, k, v, rel_h, rel_w, triton_relpos._empty_output(q),
+                                   num_warps=4, num_stages=2, **tiles)
+        err = ((out - ref).norm() / ref.norm()).item()
+        assert err <= 1e-5, (hw, tiles, err)
 print("interpreted kernel ok")
 """
 
 
 WINDOWS_SCRIPT = """
 import torch
+from encoder import triton_relpos
 from encoder.model import SamAttention, window_partition, window_unpartition
 from encoder.relpos_attention import windowed_relpos_attention
 torch.manual_seed(3)
@@ -123,10 +133,17 @@ for grid in [(20, 23), (28, 14), (9, 30)]:  # windows over the edge (padded), ex
     ref = window_unpartition(attn(windows), 14, padded, grid)
     qkv = attn.qkv(x).reshape(2, grid[0] * grid[1], 3, 2, 32)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-    out = windowed_relpos_attention(q, k, v, attn.rel_pos_h, attn.rel_pos_w, 14, grid, attn.qkv.bias)
-    fast = attn.proj(out.transpose(1, 2).reshape(2, *grid, 64))
-    err = ((fast - ref).norm() / ref.norm()).item()
-    assert err <= 1e-5, (grid, err)
+    # The tuned tiles, and the windows split in two parts (8 columns, then the last 6 padded
+    # to 8, rows past 14 masked).
+    tuned = triton_relpos.TUNED[14]
+    split = dict(BLOCK_M=64, ROWS=16, ROW_PAD=8, TAIL_ROWS=16, num_warps=4, num_stages=2)
+    for tiles in (tuned, split):
+        triton_relpos.TUNED[14] = tiles
+        out = windowed_relpos_attention(q, k, v, attn.rel_pos_h, attn.rel_pos_w, 14, grid, attn.qkv.bias)
+        fast = attn.proj(out.transpose(1, 2).reshape(2, *grid, 64))
+        err = ((fast - ref).norm() / ref.norm()).item()
+        assert err <= 1e-5, (grid, tiles, err)
+    triton_relpos.TUNED[14] = tuned
 print("windows in place ok")
 """
 
