@@ -219,8 +219,8 @@ def test_fused_paths_bf16_cuda(bsz, hw, rows):
 @pytest.mark.parametrize("grid", [64, 40])
 def test_sam_block_kernels_equal_the_reference_paths_on_gpu(window, grid, monkeypatch):
     """A real-width SAM block in bf16: the Triton path (windows addressed in place, rel terms
-    from their kernel, the norm kernel) against the reference's padded partitions, einsums,
-    dense bias and torch's norms."""
+    from their kernel, the norm kernel, the GELU epilogue) against the reference's padded
+    partitions, einsums, dense bias, torch's norms and exact GELU."""
     from encoder import model
     from encoder import relpos_attention as attention
     torch.manual_seed(grid + window)
@@ -233,6 +233,7 @@ def test_sam_block_kernels_equal_the_reference_paths_on_gpu(window, grid, monkey
         fused = block(x)
         monkeypatch.setattr(attention, "WINDOWS_IN_KERNEL", False)
         monkeypatch.setattr(model, "NORM_KERNEL", False)
+        monkeypatch.setattr(model, "GELU_EPILOGUE", False)
         block.attn.impl = "dense"
         dense = block(x)
     assert rel_err(fused, dense) <= 1e-2
@@ -269,6 +270,31 @@ def test_rel_terms_kernel_equals_the_einsums_on_gpu(hw, rows):
     got = triton_relpos.rel_pos_terms(q, rel_table(hw[0], rph), rel_table(hw[1], rpw), hw)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0.016, atol=0.016)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [4096, 6 * 1600])
+def test_gelu_epilogue_equals_linear_and_gelu_on_gpu(tokens, monkeypatch):
+    """SAM's lin1 + GELU as one cuBLASLt matmul (bias + GELU epilogue) in bf16: GELU's tanh form
+    within bf16 rounding of linear + F.gelu(approximate="tanh"), and no further from an fp32
+    run of the exact GELU than the two bf16 ops; a SAM MLP with it switched off is the two ops."""
+    from encoder import model
+    torch.manual_seed(tokens)
+    lin = torch.nn.Linear(768, 3072).cuda()
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.04), lin.bias.normal_(0, 0.04)
+        x = torch.randn(2, tokens // 2, 768, device="cuda")
+        exact = torch.nn.functional.gelu(lin(x))
+        lin.to(torch.bfloat16)
+        xb = x.to(torch.bfloat16)
+        fused = model.linear_gelu(lin, xb)
+        two_ops = torch.nn.functional.gelu(lin(xb))
+        torch.testing.assert_close(fused, torch.nn.functional.gelu(lin(xb), approximate="tanh"),
+                                   rtol=0.016, atol=0.016)
+        assert fused.shape == two_ops.shape == (2, tokens // 2, 3072)
+        assert rel_err(fused, exact) <= 1.1 * rel_err(two_ops, exact)
+        monkeypatch.setattr(model, "GELU_EPILOGUE", False)
+        assert torch.equal(model.linear_gelu(lin, xb), two_ops)
 
 
 @pytest.mark.gpu

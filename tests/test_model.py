@@ -119,3 +119,18 @@ def test_real_dims_bf16_cuda_matches_fp32_and_dense():
         print(f"bf16 fused vs fp32 {rel(f, e):.2e}, bf16 dense vs fp32 {rel(d, e):.2e}")
         assert rel(f, e) <= 2e-2 and rel(d, e) <= 2e-2
         assert rel(f, d) <= 2e-2
+
+
+def test_linear_gelu_epilogue_branch_keeps_shapes_and_values(monkeypatch):
+    """The GELU-epilogue branch (a GPU's, here forced on CPU, where torch's _addmm_activation
+    applies GELU after the matmul) gives linear + GELU for [B, T, C] inputs; off, the two ops."""
+    import torch.nn.functional as F
+    from encoder import model
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(16, 48), torch.randn(2, 5, 16)
+    with torch.no_grad():
+        assert torch.equal(model.linear_gelu(lin, x), F.gelu(lin(x)))  # CPU: the two ops
+        monkeypatch.setattr(model, "_epilogue_takes", lambda linear, x: True)
+        forced = model.linear_gelu(lin, x)
+    assert forced.shape == (2, 5, 48)
+    torch.testing.assert_close(forced, F.gelu(lin(x), approximate="tanh"), rtol=0, atol=1e-3)
