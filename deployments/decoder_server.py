@@ -20,8 +20,8 @@ from decoder import (AsyncEngine, GenerationEngine, GenerationRequest, SamplingP
 
 from .config import PROBE_EVERY_S, STUCK_AFTER_S, AppConfig
 from .metrics import decoder_metrics
-from .model_source import (device_and_dtype, replica_id, resolve_checkpoint, start_cuda, startup_phases,
-                           use_assigned_cpu_threads)
+from .model_source import (device_and_dtype, prepare_replica_process, replica_id, resolve_checkpoint,
+                           start_cuda, startup_phases)
 from .protocol import Wire, from_wire
 
 
@@ -32,7 +32,7 @@ from .protocol import Wire, from_wire
 class DecoderServer:
     def __init__(self, config: AppConfig):
         constructor_start = time.perf_counter()
-        use_assigned_cpu_threads()
+        prepare_replica_process()
         cuda = start_cuda(config.gpu_memory_fraction("decoder"))
         device, dtype = device_and_dtype()
         directory, self.model_label = resolve_checkpoint(config.checkpoint)

@@ -35,9 +35,9 @@ from encoder.preprocess import (DEFAULT_MAX_CROPS, MAX_CROPS_LIMIT, check_view_o
 
 from .config import PROBE_EVERY_S, STUCK_AFTER_S, AppConfig
 from .metrics import encoder_metrics, medians
-from .model_source import (device_and_dtype, replica_id, resolve_checkpoint, start_cuda, startup_phases,
-                           use_assigned_cpu_threads)
-from .protocol import Wire, from_wire, to_wire
+from .model_source import (device_and_dtype, prepare_replica_process, replica_id, resolve_checkpoint,
+                           start_cuda, startup_phases)
+from .protocol import Wire, from_wire, to_wire_all
 
 
 ViewSpec = tuple[str, str, tuple[int, int]]
@@ -113,7 +113,7 @@ class PathEncoder:
             raise ValueError(f"path must be 'global', 'local' or 'both', got {path!r}")
         self.path = path
         constructor_start = time.perf_counter()
-        use_assigned_cpu_threads()
+        prepare_replica_process()
         cuda = start_cuda(config.gpu_memory_fraction(path))
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{path}-encoder")
         self.views_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{path}-views")
@@ -194,12 +194,12 @@ class PathEncoder:
         encoded = time.perf_counter()
         self._record((encoded - start) * 1e3, views, before, self.engine.stats())
         if self.path == "global":
-            results = [to_wire(o.global_tokens) for o in out]
+            results = to_wire_all([o.global_tokens for o in out])
         elif self.path == "local":
-            results = [to_wire(o.crop_tokens) for o in out]
+            results = to_wire_all([o.crop_tokens for o in out])
         else:
-            results = [(to_wire(o.global_tokens),
-                        None if o.crop_tokens is None else to_wire(o.crop_tokens)) for o in out]
+            wires = to_wire_all([t for o in out for t in (o.global_tokens, o.crop_tokens)])
+            results = list(zip(wires[::2], wires[1::2]))
         if requests:
             self.recent.append({"wait_ms": statistics.median((start - r.arrived) * 1e3 for r in requests),
                                 "views_ms": statistics.median(v.ms for v in views),

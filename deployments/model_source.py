@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from common.allocator import keep_freed_memory
 from common.checkpoint import random_state_dict, save_checkpoint
 from decoder.checkpoint import released_shapes
 from decoder.config import DecoderArgs
@@ -81,6 +82,14 @@ def use_assigned_cpu_threads() -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
         torch.set_num_threads(int(threads))
+
+
+def prepare_replica_process() -> None:
+    """What every replica does first: torch's threads at Ray's number, and freed multi-MB
+    buffers kept for the next request (`common.allocator`: each request decodes a page, copies
+    tokens to the host and serialises them, and fresh memory faults in page by page)."""
+    use_assigned_cpu_threads()
+    keep_freed_memory()
 
 
 def start_cuda(fraction: float | None) -> float:

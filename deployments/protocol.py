@@ -188,6 +188,21 @@ def to_wire(t: torch.Tensor) -> Wire:
     return t.numpy(), str(t.dtype).removeprefix("torch.")
 
 
+def to_wire_all(tensors: list[torch.Tensor | None]) -> list[Wire | None]:
+    """`to_wire` of each (None stays None), those on a GPU copied to the host together: into
+    pinned buffers (torch's caching host allocator reuses them once the wires are gone), queued
+    on the current stream, then one wait. One `.to("cpu")` per tensor would allocate pageable
+    memory and wait for the device once per request of a batch."""
+    host = {}
+    for t in tensors:
+        if t is not None and t.is_cuda:
+            host[id(t)] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            stream = torch.cuda.current_stream(t.device)
+    if host:
+        stream.synchronize()
+    return [None if t is None else to_wire(host.get(id(t), t)) for t in tensors]
+
+
 def from_wire(w: Wire) -> torch.Tensor:
     array, dtype = w
     # Arrays from the object store are read-only views of shared memory: wrap them without a

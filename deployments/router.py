@@ -50,7 +50,7 @@ from .config import AppConfig
 from .encoded_cache import EncodedCache, content_key
 from .media import crop_image_blocks, decode_data_url, read_image_url
 from .metrics import medians, router_metrics
-from .model_source import replica_id, resolve_checkpoint, use_assigned_cpu_threads
+from .model_source import prepare_replica_process, replica_id, resolve_checkpoint
 from .protocol import (BadRequest, Document, NotFound, OcrOptions, PayloadTooLarge,
                        UnsupportedMediaType, from_wire, send_tensors_out_of_band, to_wire)
 
@@ -214,7 +214,7 @@ class Router:
     def __init__(self, global_encoder: DeploymentHandle, local_encoder: DeploymentHandle | None,
                  decoder: DeploymentHandle | None, config: AppConfig):
         """`local_encoder` None: `global_encoder` is the one Encoder of both paths (one_encoder)."""
-        use_assigned_cpu_threads()
+        prepare_replica_process()
         send_tensors_out_of_band()  # the sequences Router.encode returns
         self.global_encoder, self.local_encoder, self.decoder = global_encoder, local_encoder, decoder
         self.config = config

@@ -153,6 +153,22 @@ def test_deployments_run_the_in_process_engine_cpu():
     assert one.engine.stats() == fresh.stats()
 
 
+@pytest.mark.gpu
+def test_encoder_results_copied_together_equal_one_copy_each_on_gpu():
+    """`to_wire_all` (an encoder's batch results: one pinned buffer, one wait) gives what
+    `to_wire` gives each tensor alone: bf16 and float32, a strided view, None kept."""
+    from deployments.protocol import from_wire, to_wire, to_wire_all
+    torch.manual_seed(0)
+    batch = torch.randn(5, 273, 1280, device="cuda", dtype=torch.bfloat16)
+    tensors = [batch[0], None, batch[1:4], torch.randn(7, 3, device="cuda"), batch[4].t()]
+    got = to_wire_all(tensors)
+    assert got[1] is None
+    for t, wire in zip(tensors, got):
+        if t is not None:
+            want = to_wire(t)
+            assert wire[1] == want[1] and torch.equal(from_wire(wire), from_wire(want))
+
+
 def check_views_made_on_arrival():
     """A batch of decoded-pixel requests whose views were made as each arrived (what `encode`
     does with views_on_arrival on a GPU: on the views thread and stream) and the same batch
