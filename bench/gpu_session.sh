@@ -22,7 +22,7 @@ export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 ray_bundle() {
   mkdir -p /tmp/site
   tar -xJf .devpkgs/ray-site.tar.xz -C /tmp/site
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   # Bytecode, as a pip install writes it: otherwise every process of the first `serve run`
   # compiles Ray's 3,000 modules as it imports them (seconds of a cold start a user never sees).
   python3 -m compileall -q -j 0 /tmp/site deployments encoder decoder scheduler common documents corpus >/dev/null || true

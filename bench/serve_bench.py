@@ -15,8 +15,11 @@ on its own GPU; needs 2), "shared-one-encoder" (one_encoder: both paths in one E
 process on the GPU, one call per page) and "shared-router-views" (views_on_encoder=false: the
 routers make the views with PIL, the reference path and the design before). 4 router replicas (2 CPUs each).
 Each measurement is repeated `reps` times in this one run; each ratio is the median over the
-repetitions of (Serve rep i) / (in-process rep i). Writes serve-<date>.json; its summary holds
-the worst ratio over the view-on-encoder variants run.
+repetitions of (Serve rep i) / (in-process rep i). This process takes the replicas' allocator
+settings (`common.allocator`), so in-process and Serve decode alike. `hops_one_at_a_time`: a
+page's time outside the replicas' own stages. `--py_spy DIR` samples the first variant's
+encoders, one router and this driver under load (py-spy on PATH). Writes serve-<date>.json; its
+summary holds the worst ratio over the view-on-encoder variants run.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import RESULTS, sync, wall_ms, write_result  # noqa: E402
 from bench.e2e_bench import page_png  # noqa: E402
+from common.allocator import keep_freed_memory  # noqa: E402
 from encoder import EncoderArgs, load_encoder, preprocess, write_random_checkpoint  # noqa: E402
 from encoder import DualPathEncoder  # noqa: E402
 
@@ -72,7 +76,20 @@ def in_process(checkpoint: str, pages: list[bytes], reps: int) -> dict:
             "preprocess_p50_ms": wall_ms(lambda: preprocess(pages[0]), ITERS, WARMUP)}
 
 
-def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int) -> dict:
+def py_spy(pids: dict[str, int], seconds: int, out_dir: str) -> list:
+    """Sample these processes' Python stacks for `seconds` (py-spy, which must be on PATH),
+    without pausing them: collapsed stacks per thread, <out_dir>/py-spy-<name>.txt."""
+    import subprocess
+    os.makedirs(out_dir, exist_ok=True)
+    return [subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(seconds),
+                              "--rate", "200", "--format", "raw", "--threads", "--nonblocking",
+                              "--output", os.path.join(out_dir, f"py-spy-{name}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            for name, pid in pids.items()]
+
+
+def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int,
+                  profile_dir: str | None = None) -> dict:
     """The encode-only app with this variant's placement and views_on_encoder."""
     from ray import serve
 
@@ -112,10 +129,34 @@ def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int) 
         throughput = pages_per_s(lambda: [r.result() for r in [
             handle.encode.remote(pages[i % len(pages)]) for i in range(PAGES)]])
         rows.append({"p50_ms": latency, "pages_per_s_c64": throughput})
+    if profile_dir:  # where the CPU time goes under load: 64 in flight, again and again
+        names = ["Encoder"] if config.one_encoder else ["GlobalEncoder", "LocalEncoder"]
+        pids = {name: serve.get_deployment_handle(name, f"bench-{variant}").stats.remote().result()["pid"]
+                for name in names}
+        pids |= {"Router": handle.stats.remote().result()["pid"], "driver": os.getpid()}
+        samplers = py_spy(pids, 4, profile_dir)
+        deadline = time.perf_counter() + 5
+        while time.perf_counter() < deadline:
+            [r.result() for r in [handle.encode.remote(pages[i % len(pages)]) for i in range(PAGES)]]
+        for sampler in samplers:
+            sampler.wait(timeout=30)
     serve.delete(f"bench-{variant}")
     return {"reps": rows, "router_stages_p50_ms_one_at_a_time": stages,
             "encoder_stages_p50_ms_one_at_a_time": encoder_stages,
             "views_on_encoder": config.views_on_encoder}
+
+
+def hops(row: dict) -> dict:
+    """One page's time outside the stages the replicas time (one page at a time): between this
+    driver and the router (p50 less the router's own stages), and between the router and the
+    encoders (the router's encode stage less the slower encoder's own stages)."""
+    router = row["router_stages_p50_ms_one_at_a_time"]
+    inside = {name: sum(st.get(k) or 0.0 for k in ("wait_ms", "batch_views_ms", "run_ms", "results_ms"))
+              for name, st in row["encoder_stages_p50_ms_one_at_a_time"].items()}
+    p50 = statistics.median(r["p50_ms"] for r in row["reps"])
+    return {"driver_router_ms": p50 - router["preprocess_ms"] - router["total_ms"],
+            "router_encoder_ms": router["encode_ms"] - max(inside.values()),
+            "encoder_inside_ms": inside}
 
 
 def ratios(serve_reps: list[dict], local_reps: list[dict]) -> dict:
@@ -135,6 +176,8 @@ def main(argv=None):
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few pages")
+    parser.add_argument("--py_spy", metavar="DIR", help="sample the first variant's encoder(s), "
+                        "one router and this driver under load with py-spy, into DIR")
     parser.add_argument("--variants", nargs="+", default=["shared", "shared-one-encoder",
                                                           "shared-router-views"],
                         help="besides 'separate' (run when there are 2 GPUs)")
@@ -145,6 +188,9 @@ def main(argv=None):
         assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU (or --smoke)"
     import ray
     n_gpus = torch.cuda.device_count()
+    # The replicas keep freed buffers for the next request (their start does this); the
+    # in-process baseline gets the same allocator settings, so the ratios compare like with like.
+    keep_freed_memory()
     args = EncoderArgs.tiny() if opts.smoke else EncoderArgs()
     checkpoint = write_random_checkpoint(tempfile.mkdtemp(), args)
     pages = [page_png(seed) for seed in range(8)]
@@ -154,9 +200,9 @@ def main(argv=None):
     print("in-process", baseline, flush=True)
     ray.init(num_gpus=n_gpus, num_cpus=2 if opts.smoke else None, include_dashboard=False)
     variants = {}
-    for variant in (["separate"] if n_gpus >= 2 else []) + opts.variants:
-        row = through_serve(checkpoint, pages, variant, opts.reps)
-        row |= ratios(row["reps"], baseline["reps"])
+    for i, variant in enumerate((["separate"] if n_gpus >= 2 else []) + opts.variants):
+        row = through_serve(checkpoint, pages, variant, opts.reps, opts.py_spy if i == 0 else None)
+        row |= ratios(row["reps"], baseline["reps"]) | {"hops_one_at_a_time": hops(row)}
         variants[variant] = row
         print(variant, row, flush=True)
     measured = [r for r in variants.values() if r["views_on_encoder"]]
