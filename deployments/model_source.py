@@ -87,9 +87,11 @@ def use_assigned_cpu_threads() -> None:
 def prepare_replica_process() -> None:
     """What every replica does first: torch's threads at Ray's number, and freed multi-MB
     buffers kept for the next request (`common.allocator`: each request decodes a page, copies
-    tokens to the host and serialises them, and fresh memory faults in page by page)."""
+    tokens to the host and serialises them, and fresh memory faults in page by page);
+    DEEPSEEK_OCR_KEEP_FREED_MEMORY=0 leaves glibc's defaults."""
     use_assigned_cpu_threads()
-    keep_freed_memory()
+    if os.environ.get("DEEPSEEK_OCR_KEEP_FREED_MEMORY", "1") != "0":
+        keep_freed_memory()
 
 
 def start_cuda(fraction: float | None) -> float:

@@ -193,13 +193,11 @@ def to_wire_all(tensors: list[torch.Tensor | None]) -> list[Wire | None]:
     pinned buffers (torch's caching host allocator reuses them once the wires are gone), queued
     on the current stream, then one wait. One `.to("cpu")` per tensor would allocate pageable
     memory and wait for the device once per request of a batch."""
-    host = {}
-    for t in tensors:
-        if t is not None and t.is_cuda:
-            host[id(t)] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-            stream = torch.cuda.current_stream(t.device)
-    if host:
-        stream.synchronize()
+    on_gpu = [t for t in tensors if t is not None and t.is_cuda]
+    host = {id(t): torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            for t in on_gpu}
+    for device in {t.device for t in on_gpu}:
+        torch.cuda.current_stream(device).synchronize()
     return [None if t is None else to_wire(host.get(id(t), t)) for t in tensors]
 
 

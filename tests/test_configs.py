@@ -215,3 +215,14 @@ def test_replicas_reuse_freed_buffers_instead_of_faulting_in_new_memory():
     assert run.returncode == 0, run.stderr
     first, *later = map(int, run.stdout.split())
     assert first > 1000 and max(later) < 100, (first, later)
+
+
+def test_replica_allocator_setting_has_a_switch(monkeypatch):
+    """prepare_replica_process keeps freed memory unless DEEPSEEK_OCR_KEEP_FREED_MEMORY=0."""
+    from deployments import model_source
+    calls = []
+    monkeypatch.setattr(model_source, "keep_freed_memory", lambda: calls.append(1))
+    model_source.prepare_replica_process()
+    monkeypatch.setenv("DEEPSEEK_OCR_KEEP_FREED_MEMORY", "0")
+    model_source.prepare_replica_process()
+    assert calls == [1]
