@@ -155,7 +155,7 @@ def test_deployments_run_the_in_process_engine_cpu():
 
 @pytest.mark.gpu
 def test_encoder_results_copied_together_equal_one_copy_each_on_gpu():
-    """`to_wire_all` (an encoder's batch results: one pinned buffer, one wait) gives what
+    """`to_wire_all` (an encoder's batch results: pinned buffers, one wait) gives what
     `to_wire` gives each tensor alone: bf16 and float32, a strided view, None kept."""
     from deployments.protocol import from_wire, to_wire, to_wire_all
     torch.manual_seed(0)
