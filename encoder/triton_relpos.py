@@ -9,8 +9,9 @@ blocks of its own: a 40-wide row as 32 + 8 columns), so that
   - the rel_w part is the same [BLOCK_M, ROW_PAD] tile for every key block: loaded once;
   - the rel_h part is one value per (query, key row): a [BLOCK_M, ROWS] load per block;
 no gather per score, nothing of size HW x HW ever written, and the dot products keep the real
-head dim (64). Scores are kept in the log2 domain (one exp2 per score). Same idea as segment-anything-fast's `flash_4.py`; our own kernel. The output goes
-straight into the [B, HW, heads, C] layout the projection reads, so no transpose copy follows.
+head dim (64). Scores are kept in the log2 domain (one exp2 per score). Same idea as
+segment-anything-fast's `flash_4.py`; our own kernel. The output goes straight into the
+[B, HW, heads, C] layout the projection reads, so no transpose copy follows.
 
 A second kernel makes rel_h and rel_w from q in place (`rel_pos_terms`); with `Windows` both
 address SAM's windows inside the unpadded grid (`windowed_attention`), so no pad, partition or
