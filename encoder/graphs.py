@@ -18,8 +18,8 @@ The story, top to bottom:
 3. `DualPathEncoder` is the engine over the paths one process serves (both in-process; one in
    each encoder deployment). `run` takes a queue of images' views, groups them by view size,
    lets the scheduler's `Planner` cut each group into batches that fit both paths' budgets, runs
-   each batch's paths (on CUDA, when a batch has both, the global path on a side stream while the
-   local path runs on the current one) and returns every image's tokens in queue order.
+   each batch's paths (on CUDA, when a batch has both, the local path launched first on the
+   current stream, then the global path on a side stream) and returns every image's tokens in queue order.
    `encode` / `encode_images` add preprocessing before and `assemble` after. On CPU the same code
    runs every batch eagerly. On a GPU `encode_images` only decodes on the CPU and makes the
    views on the GPU, with PIL's exact bicubic arithmetic (`resize.py`; `views_on_device`).
@@ -127,18 +127,26 @@ class PathGraphs:
 
     # -- execution --------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, pixels: torch.Tensor, plan: PathPlan) -> torch.Tensor:
+    def run(self, pixels: torch.Tensor | list[torch.Tensor], plan: PathPlan) -> torch.Tensor:
         """Encode `pixels` [n, 3, S, S] (uint8, any device) as the planner planned them
-        -> a fresh [n, tokens, D] tensor."""
-        n = pixels.shape[0]
+        -> a fresh [n, tokens, D] tensor. `pixels` may also be a list of parts ([3, S, S] views
+        or [k, 3, S, S] stacks): a graph's input takes each part in place (no stacked copy on the
+        host first, whose time would sit before the replay)."""
+        parts = [p[None] if p.dim() == 3 else p for p in ([pixels] if torch.is_tensor(pixels) else pixels)]
+        n = sum(p.shape[0] for p in parts)
         if n == 0:
             raise ValueError(f"{self.name} path: empty batch (a path with no views is skipped)")
         assert plan.units == n, f"{self.name}: plan for {plan.units} views, got {n}"
-        entry = self.graphs.get(plan.budget) if tuple(pixels.shape[1:]) == self.view_shape else None
+        shapes_fit = all(tuple(p.shape[1:]) == self.view_shape for p in parts)
+        entry = self.graphs.get(plan.budget) if shapes_fit else None
         self.stats.record(plan, replayed=entry is not None)
         if entry is None:
-            return self.forward(pixels.to(self.device, non_blocking=True))
-        entry.pixels[:n].copy_(pixels, non_blocking=True)
+            staged = [p.to(self.device, non_blocking=True) for p in parts]
+            return self.forward(staged[0] if len(staged) == 1 else torch.cat(staged))
+        row = 0
+        for part in parts:
+            entry.pixels[row:row + part.shape[0]].copy_(part, non_blocking=True)
+            row += part.shape[0]
         if entry.filled > n:  # rows left over from a bigger batch: back to zeros
             entry.pixels[n:entry.filled].zero_()
         entry.filled = n
@@ -280,32 +288,33 @@ class DualPathEncoder:
                 path.stats.record(plan, replayed=False)  # counted as skipped
         global_tokens = crop_tokens = None
         if tiles and views:
-            global_tokens, crop_tokens = self._run_both(torch.stack(views), batch.global_path,
-                                                        torch.cat(tiles), batch.local_path)
+            global_tokens, crop_tokens = self._run_both(views, batch.global_path, tiles, batch.local_path)
         elif views:
-            global_tokens = self.global_path.run(torch.stack(views), batch.global_path)
+            global_tokens = self.global_path.run(views, batch.global_path)
         elif tiles:
-            crop_tokens = self.local_path.run(torch.cat(tiles), batch.local_path)
+            crop_tokens = self.local_path.run(tiles, batch.local_path)
         per_global = iter(global_tokens if global_tokens is not None else ())
         per_crops = iter(crop_tokens.split([len(c) for c in tiles]) if crop_tokens is not None else ())
         return [PathTokens(None if v is None else next(per_global), None if c is None else next(per_crops))
                 for v, c in zip(global_views, crops)]
 
     def _run_both(self, global_views, global_plan, crops, local_plan):
-        """Both paths of one batch. On CUDA the global path runs on a side stream while the
-        local path runs on the current one: at small batches neither fills the GPU alone (a
-        batch-1 page is one 1024² view and six 640² crops), and each path has its own graph
-        pool and buffers, so the two replays can overlap."""
+        """Both paths of one batch. On CUDA the local path is staged and launched first, on the
+        current stream (a page's six crops are its longer path), then the global path on a side
+        stream: at small batches neither fills the GPU alone (a batch-1 page is one 1024² view
+        and six 640² crops), and each path has its own graph pool and buffers, so the two
+        replays overlap. `overlap_paths=False`: one stream, global first (the reference twin)."""
         if self.encoder.device.type != "cuda" or not self.overlap_paths:
             return (self.global_path.run(global_views, global_plan),
                     self.local_path.run(crops, local_plan))
         current = torch.cuda.current_stream(self.encoder.device)
         if self._side is None:
             self._side = torch.cuda.Stream(self.encoder.device)
-        self._side.wait_stream(current)  # inputs staged on the current stream come first
+        inputs_ready = current.record_event()  # what the current stream staged so far (views)
+        local_tokens = self.local_path.run(crops, local_plan)
+        self._side.wait_event(inputs_ready)  # not on the local replay: the paths overlap
         with torch.cuda.stream(self._side):
             global_tokens = self.global_path.run(global_views, global_plan)
-        local_tokens = self.local_path.run(crops, local_plan)
         current.wait_stream(self._side)
         # Made on the side stream, used and freed on the current one: keep the allocator from
         # handing its memory back to the side stream before the current stream is done with it.

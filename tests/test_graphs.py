@@ -1,5 +1,7 @@
 """The encode engine: eager on CPU (== each image alone through the two forwards), graphs on CUDA
 (marked gpu), and the encoder deployments running the same engine as the in-process API."""
+import dataclasses
+
 import pytest
 import torch
 from PIL import Image
@@ -111,16 +113,13 @@ def through_deployments(replicas, items):
 
 def through_one_encoder(replica, images):
     """Every image's decoded pixels as one batch of requests to the one Encoder (one_encoder),
-    assembled as the router assembles them."""
+    which assembles each image's sequence."""
     from deployments.encoders import Request
     from deployments.protocol import from_wire, to_wire
     from encoder.preprocess import decode
     decoded = [decode(im) for im in images]
-    tokens = replica._run_batch([Request(to_wire(d.pixels), ("both", d.mode, d.grid)) for d in decoded])
-    enc = replica.engine.encoder
-    newline, separator = enc.image_newline.cpu(), enc.view_seperator.cpu()
-    return [assemble(from_wire(g), None if c is None else from_wire(c), d.grid, newline, separator)
-            for d, (g, c) in zip(decoded, tokens)]
+    seqs = replica._run_batch([Request(to_wire(d.pixels), ("both", d.mode, d.grid)) for d in decoded])
+    return [from_wire(seq) for seq in seqs]
 
 
 def test_deployments_run_the_in_process_engine_cpu():
@@ -187,9 +186,8 @@ def check_views_made_on_arrival():
         r.views = replica.views_worker.submit(replica._views_of, r.pixels, r.view).result()
         assert (r.views.ready is not None) == torch.cuda.is_available()
     on_arrival = replica._run_batch(requests)
-    for (g1, c1), (g2, c2) in zip(on_arrival, in_batch):
-        assert torch.equal(from_wire(g1), from_wire(g2))
-        assert (c1 is None) == (c2 is None) and (c1 is None or torch.equal(from_wire(c1), from_wire(c2)))
+    for seq, twin in zip(on_arrival, in_batch):
+        assert torch.equal(from_wire(seq), from_wire(twin))
     stages = replica.stats()["stages_p50_ms"]
     assert stages["batches"] == 2 and stages["views_ms"] > 0 and stages["run_ms"] > 0
 
@@ -268,6 +266,25 @@ def test_graph_output_survives_a_later_replay_of_the_same_graph(cuda_engine):
     path.run(second, plan)  # same graph, other data
     torch.cuda.synchronize()
     assert torch.equal(out, kept)
+
+
+@pytest.mark.gpu
+def test_overlapped_paths_equal_one_stream(cuda_engine):
+    """The fast path (local launched first, global on a side stream, each view staged into the
+    graph's input in place) against its twin (`overlap_paths=False`: one stream, global first):
+    the same graphs replay, so the tokens are identical, for views on the host and on the GPU."""
+    items = [preprocess(image(1191, 1684, 60)), preprocess(image(896, 896, 61))]
+    on_gpu = [dataclasses.replace(it, global_view=it.global_view.cuda(), crops=it.crops.cuda())
+              for it in items]
+    overlapped = [cuda_engine.encode(items), cuda_engine.encode(on_gpu)]
+    cuda_engine.overlap_paths = False
+    try:
+        one_stream = cuda_engine.encode(items)
+    finally:
+        cuda_engine.overlap_paths = True
+    for seqs in overlapped:
+        for got, want in zip(seqs, one_stream):
+            assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
