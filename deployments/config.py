@@ -49,9 +49,14 @@ class AppConfig(BaseModel):
         "shared GPU; needs views_on_encoder); false: GlobalEncoder and LocalEncoder, each "
         "placed and scaled on its own")
     views_on_encoder: bool = Field(
-        True, description="routers only decode images; the encoders make the views on their "
+        True, description="routers resize nothing (they send the image: decode_on_encoder); the "
+        "encoders make the views on their "
         "device (GPU: PIL's exact bicubic arithmetic as tensor math; CPU: PIL); false: routers "
         "make them with PIL")
+    decode_on_encoder: bool = Field(
+        True, description="with views_on_encoder, routers read only a PNG's or JPEG's header "
+        "(its size, orientation and grid) and send its bytes; the encoders decode it (a page's "
+        "bytes are ~30x smaller than its pixels); false, and for other formats: routers decode")
     views_on_arrival: bool = Field(
         True, description="with views_on_encoder, a GPU encoder makes each request's views as "
         "it arrives (a thread and CUDA stream of their own, while the batch before runs); "

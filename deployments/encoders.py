@@ -29,18 +29,19 @@ import ray
 import torch
 from ray import serve
 
-from encoder import DualPathEncoder, load_encoder
-from encoder.preprocess import (DEFAULT_MAX_CROPS, MAX_CROPS_LIMIT, check_view_options, crops_of,
-                                global_view_of)
+from encoder import DualPathEncoder, assemble, load_encoder
+from encoder.preprocess import (DEFAULT_MAX_CROPS, MAX_CROPS_LIMIT, ImageHeader, check_view_options,
+                                crops_of, decode_header, global_view_of)
 
 from .config import PROBE_EVERY_S, STUCK_AFTER_S, AppConfig
 from .metrics import encoder_metrics, medians
 from .model_source import (device_and_dtype, prepare_replica_process, replica_id, resolve_checkpoint,
                            start_cuda, startup_phases)
-from .protocol import Wire, from_wire, to_wire_all
+from .protocol import Wire, from_wire, to_wire, to_wire_all
 
 
 ViewSpec = tuple[str, str, tuple[int, int]]
+DECODE_THREADS = 4  # an Encoder's threads decoding the images sent as bytes
 
 
 @dataclass
@@ -117,6 +118,10 @@ class PathEncoder:
         cuda = start_cuda(config.gpu_memory_fraction(path))
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{path}-encoder")
         self.views_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{path}-views")
+        # Images sent as their bytes (decode_on_encoder) are decoded here as they arrive, a few
+        # at once (PIL releases the GIL while it inflates).
+        self.decode_worker = ThreadPoolExecutor(max_workers=DECODE_THREADS,
+                                                thread_name_prefix=f"{path}-decode")
         self.views_stream = self.batch_stream = None  # CUDA: made with the engine
         self.engine = self.worker.submit(self._load, config, constructor_start, cuda).result()
         self.runners = self.engine.paths  # this replica's paths' graphs
@@ -149,13 +154,20 @@ class PathEncoder:
                                         graphs=time.perf_counter() - loaded)
         return engine
 
-    async def encode(self, pixels: Wire, view: ViewSpec | None = None) -> Wire | tuple[Wire, Wire | None]:
+    async def encode(self, pixels: Wire | ImageHeader, view: ViewSpec | None = None) -> Wire:
         """GlobalEncoder: a global view [3, S, S] -> its tokens [g*(g+1), D].
         LocalEncoder: one image's crops [P, 3, 640, 640] -> their tokens [P, 100, D].
-        With `view` = (path, mode, grid), `pixels` are an image's decoded pixels [C, H, W]
-        and this replica makes the views first, on its device (`encoder.preprocess`).
-        Encoder (one_encoder; `view` = ("both", mode, grid)): an image's decoded pixels ->
-        (global tokens, crop tokens or None when not tiled)."""
+        With `view` = (path, mode, grid), `pixels` are an image's decoded pixels [C, H, W], or
+        its bytes with their header (`ImageHeader`, decoded here first), and this replica makes
+        the views, on its device (`encoder.preprocess`).
+        Encoder (one_encoder; `view` = ("both", mode, grid)): an image -> its whole sequence
+        [num_tokens, D], assembled here (crops' grid with newlines, global view, separator)."""
+        if isinstance(pixels, ImageHeader):
+            if view is None:
+                raise ValueError("an image's bytes need a view (path, mode, grid) to make")
+            decoded = await asyncio.get_running_loop().run_in_executor(
+                self.decode_worker, decode_header, pixels)  # ImageError: this request alone fails
+            pixels = to_wire(decoded.pixels)
         request = Request(pixels, view)
         if view is not None:
             check_view(self.path, pixels, view)
@@ -197,9 +209,10 @@ class PathEncoder:
             results = to_wire_all([o.global_tokens for o in out])
         elif self.path == "local":
             results = to_wire_all([o.crop_tokens for o in out])
-        else:
-            wires = to_wire_all([t for o in out for t in (o.global_tokens, o.crop_tokens)])
-            results = list(zip(wires[::2], wires[1::2]))
+        else:  # each image's sequence, assembled on the device: one tensor back per image
+            encoder = self.engine.encoder
+            results = to_wire_all([assemble(o.global_tokens, o.crop_tokens, r.view[2], encoder.image_newline,
+                                            encoder.view_seperator) for o, r in zip(out, requests)])
         if requests:
             self.recent.append({"wait_ms": statistics.median((start - r.arrived) * 1e3 for r in requests),
                                 "views_ms": statistics.median(v.ms for v in views),

@@ -4,13 +4,15 @@
 
 One request, top to bottom (`_ocr`):
   1. validate: `OcrOptions` (deployments/protocol.py) and the image count;
-  2. preprocess: decode each image and build its global view on a worker thread (the crops keep
-     resizing on a helper thread); the prompt's length is known now and checked against the
-     decoder's context before any GPU work;
+  2. preprocess, on a worker thread: read each image's header (decode_on_encoder, PNG and
+     JPEG), or decode it, or (views_on_encoder false) decode it and build its global view (the
+     crops keep resizing on a helper thread); the prompt's length is known now and checked
+     against the decoder's context before any GPU work;
   3. fan out: each global view goes to GlobalEncoder at once, the crops to LocalEncoder when
-     they are ready (views_on_encoder, the default: the decoded image to both, each making its
-     path's views; one_encoder: to the one Encoder, which makes and encodes both); each
-     encoder batches across requests;
+     they are ready (views_on_encoder, the default: the image to both, each making its path's
+     views, as its PNG or JPEG bytes with their header (decode_on_encoder; the router only read
+     the header) or else decoded; one_encoder: to the one Encoder, which decodes, makes,
+     encodes and assembles both); each encoder batches across requests;
   4. assemble each image's sequence (local grid + newlines, global, separator);
   5. decode: the Decoder generates from the prompt ids and the image embeddings;
   6. respond: text, finish reason, usage, per-stage timings.
@@ -42,7 +44,7 @@ from decoder import DecoderArgs, build_prompt, load_tokenizer
 from decoder.grounding import parse_blocks, to_markdown
 from documents import DocumentError, PdfDocument, map_pages, parse_page_range
 from encoder import ImageError, assemble
-from encoder.preprocess import DecodedImage, PendingImage, decode, start_preprocess
+from encoder.preprocess import DecodedImage, ImageHeader, PendingImage, decode, read_header, start_preprocess
 
 from . import openai_api
 from . import pages
@@ -465,8 +467,9 @@ class Router:
                 return _Image(key, cached=cached)
             if self.config.views_on_encoder:
                 began = time.perf_counter()
-                decoded = decode(image, options.mode, options.max_crops)
-                return _Image(key, pending=decoded, decode_ms=(time.perf_counter() - began) * 1e3)
+                sent = read_header(image, options.mode, options.max_crops) if self.config.decode_on_encoder else None
+                sent = sent or decode(image, options.mode, options.max_crops)
+                return _Image(key, pending=sent, decode_ms=(time.perf_counter() - began) * 1e3)
             return _Image(key, pending=start_preprocess(image, options.mode, options.max_crops))
         return await asyncio.gather(*(asyncio.to_thread(start, image) for image in images))
 
@@ -486,29 +489,31 @@ class Router:
 
     async def _encode_one(self, image: "_Image", start: float):
         """One image: its global view goes to GlobalEncoder and its crops to LocalEncoder (the
-        decoded pixels to both at once, each making its views; or the global view at once and
-        the crops when resized here); then its sequence is assembled (and cached). A cached
-        image skips all of it."""
+        image's bytes or pixels to both at once, each making its views; or the global view at
+        once and the crops when resized here); then its sequence is assembled (and cached). A
+        cached image skips all of it."""
         if image.cached is not None:
             return image.cached[0], {"preprocess_ms": 0.0, "encode_ms": 0.0, "assemble_ms": 0.0}
         pending = image.pending
-        if self.local_encoder is None:  # one_encoder: one call makes and encodes both paths' views
-            tokens = await call_with_retry(self.global_encoder.encode, to_wire(pending.pixels),
-                                           ("both", pending.mode, pending.grid))
-            return self._assembled(image, *(None if t is None else from_wire(t) for t in tokens),
-                                   start, image.decode_ms)
-        if isinstance(pending, DecodedImage):
+        # Sent to the encoders: the image's bytes with their header (decode_on_encoder), or
+        # its decoded pixels, for them to make the views from; or (views made here) its views.
+        sent = pending if isinstance(pending, ImageHeader) else (
+            to_wire(pending.pixels) if isinstance(pending, DecodedImage) else None)
+        if self.local_encoder is None:  # one_encoder: one call makes, encodes and assembles both paths
+            seq = await call_with_retry(self.global_encoder.encode, sent, ("both", pending.mode, pending.grid))
+            return self._assembled(image, from_wire(seq), start, image.decode_ms)
+        if sent is not None:
             # One copy into the object store for both encoders (each call would make its own).
-            pixels = ray.put(to_wire(pending.pixels)) if pending.tiled else to_wire(pending.pixels)
+            sent = ray.put(sent) if pending.tiled else sent
             global_call = asyncio.ensure_future(call_with_retry(
-                self.global_encoder.encode, pixels, ("global", pending.mode, pending.grid)))
+                self.global_encoder.encode, sent, ("global", pending.mode, pending.grid)))
         else:
             global_call = asyncio.ensure_future(
                 call_with_retry(self.global_encoder.encode, to_wire(pending.global_view)))
         try:
-            if isinstance(pending, DecodedImage):  # decoded (in image.decode_ms) before `start`
+            if sent is not None:  # decoded or its header read (in image.decode_ms) before `start`
                 item, ready, preprocess_ms = pending, start, image.decode_ms
-                crops = (pixels, ("local", pending.mode, pending.grid))
+                crops = (sent, ("local", pending.mode, pending.grid))
             else:
                 item = await asyncio.to_thread(pending.result)
                 ready = time.perf_counter()
@@ -519,14 +524,14 @@ class Router:
             global_tokens = from_wire(await global_call)
         finally:
             global_call.cancel()  # no-op when done; frees the call if this image failed
-        return self._assembled(image, global_tokens, crop_tokens, ready, preprocess_ms, item)
+        return self._assembled(image, (global_tokens, crop_tokens), ready, preprocess_ms, item)
 
-    def _assembled(self, image: "_Image", global_tokens, crop_tokens, ready: float,
-                   preprocess_ms: float, item=None):
-        """An image's sequence from its paths' tokens (cached), with its stage timings."""
+    def _assembled(self, image: "_Image", tokens, ready: float, preprocess_ms: float, item=None):
+        """An image's sequence (cached), with its stage timings: `tokens` is the sequence (the
+        one Encoder assembles it) or its paths' (global tokens, crop tokens or None)."""
         item = item or image.pending
         encoded = time.perf_counter()
-        seq = assemble(global_tokens, crop_tokens, item.grid, self.newline, self.separator)
+        seq = tokens if torch.is_tensor(tokens) else assemble(*tokens, item.grid, self.newline, self.separator)
         assert seq.shape[0] == item.num_tokens, (seq.shape, item.num_tokens)
         if self.cache is not None:
             self.cache.put(image.key, (seq, item.original_size), seq.numel() * seq.element_size())

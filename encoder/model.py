@@ -385,8 +385,8 @@ def assemble(global_tokens, crop_tokens, grid: tuple[int, int], newline, separat
     global_tokens [g*(g+1), D] from forward_global; crop_tokens [P, m*m, D] (P = w_t * h_t,
     row-major) from forward_local, ignored when the image is untiled (grid (1, 1)); newline and
     separator [D] are the model's `image_newline` and `view_seperator`. Plain tensor math, so the
-    router assembles on CPU without the model; the engine (`DualPathEncoder.encode`) and the
-    router are its two callers.
+    router assembles on CPU without the model; the engine (`DualPathEncoder.encode`), the one
+    Encoder deployment (on its device) and the router are its callers.
     """
     d = global_tokens.shape[-1]
     parts = []

@@ -827,3 +827,70 @@ def test_grey_fast_path_gives_the_reference_pixels(mode, make, one_channel):
     assert (fast.grid, fast.num_tokens, fast.original_size) == \
         (reference.grid, reference.num_tokens, reference.original_size)
     assert fast.global_view.is_contiguous() and fast.crops.is_contiguous()
+
+
+# ---------------------------------------------------------------------------
+# Header only (decode_on_encoder): what the router reads before the encoder decodes
+# ---------------------------------------------------------------------------
+
+
+def _png_with_text_chunk(image: Image.Image, keyword: str) -> bytes:
+    from PIL import PngImagePlugin
+    info = PngImagePlugin.PngInfo()
+    info.add_itxt(keyword, '<x:xmpmeta><rdf:Description tiff:Orientation="6"/></x:xmpmeta>')
+    return encode(image, "PNG", pnginfo=info)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: encode(noise_image(1191, 1684, seed=1)),                                      # a page
+    lambda: encode(grey_noise(1400, 700, 2)),                                             # grey PNG
+    lambda: encode(noise_image(300, 200, seed=3), "JPEG"),                                # untiled
+    *[lambda o=o: _with_orientation(noise_image(1400, 700, seed=o), "JPEG", o) for o in range(1, 9)],
+], ids=["page-png", "grey-png", "small-jpeg", *[f"jpeg-orientation-{o}" for o in range(1, 9)]])
+@pytest.mark.parametrize("mode, max_crops", [("gundam", 6), ("gundam", 9), ("base", 6)])
+def test_header_says_what_decoding_finds(make, mode, max_crops):
+    from encoder.preprocess import decode, decode_header, read_header
+    data = make()
+    header, decoded = read_header(data, mode, max_crops), decode(data, mode, max_crops)
+    assert header is not None and header.data == data
+    assert (header.grid, header.num_tokens, header.original_size) == \
+        (decoded.grid, decoded.num_tokens, decoded.original_size)
+    from_header = decode_header(header)
+    assert torch.equal(from_header.pixels, decoded.pixels)
+    assert (from_header.grid, from_header.num_tokens) == (decoded.grid, decoded.num_tokens)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _with_orientation(noise_image(1400, 700, seed=1), "PNG", 6),  # eXIf chunk
+    lambda: _png_with_text_chunk(noise_image(1400, 700, seed=1), "XML:com.adobe.xmp"),  # XMP
+    lambda: encode(noise_image(1400, 700, seed=1), "WEBP"),
+    lambda: encode(noise_image(1400, 700, seed=1), "BMP"),
+], ids=["png-exif", "png-xmp", "webp", "bmp"])
+def test_header_declines_what_only_decoding_can_orient(make):
+    """A PNG whose orientation may sit after its pixels, and formats other than PNG and JPEG:
+    None (the router decodes them itself); non-bytes inputs too."""
+    from encoder.preprocess import read_header
+    assert read_header(make()) is None
+    assert read_header(noise_image(40, 30)) is None
+
+
+def test_header_refuses_what_decode_refuses_from_the_header():
+    from encoder.preprocess import read_header
+    with pytest.raises(ImageError, match="too large"):
+        read_header(png_header_only(10_000, 10_000))
+    with pytest.raises(ImageError, match="unknown mode"):
+        read_header(encode(noise_image(40, 30)), mode="huge")
+    with pytest.raises(ImageError, match="cannot decode image"):  # a PNG signature, then junk
+        read_header(b"\x89PNG\r\n\x1a\n" + b"junk" * 10)
+
+
+def test_decoding_from_a_header_fails_on_bad_pixels_or_another_size():
+    import dataclasses
+
+    from encoder.preprocess import decode_header, read_header
+    header = read_header(png_header_only(100, 100))  # a header, no pixel data
+    with pytest.raises(ImageError, match="cannot decode image"):
+        decode_header(header)
+    good = read_header(encode(noise_image(40, 30)))
+    with pytest.raises(ImageError, match="header said 41x30"):
+        decode_header(dataclasses.replace(good, original_size=(41, 30)))
