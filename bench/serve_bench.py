@@ -137,24 +137,30 @@ def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int,
         *encoders, None, config)
     handle = serve.run(router, name=f"bench-{variant}", route_prefix=f"/{variant}")
     rows, stages, encoder_stages = [], None, None
+
+    def encoder_stats() -> dict:
+        names = ["Encoder"] if config.one_encoder else ["GlobalEncoder", "LocalEncoder"]
+        return {name: serve.get_deployment_handle(name, f"bench-{variant}").stats.remote().result()
+                for name in names}
     for _ in range(reps):
         latency = wall_ms(lambda: handle.encode.remote(pages[0]).result(), ITERS, WARMUP)
         # One router's and each encoder's stage medians over one-page-at-a-time requests only
         # (taken before any load: under 64 in flight the stages are mostly queueing): where a
         # page's time goes.
         stages = stages or handle.timings.remote().result()
-        encoder_stages = encoder_stages or {
-            name: serve.get_deployment_handle(name, f"bench-{variant}").stats.remote().result()["stages_p50_ms"]
-            for name in (["Encoder"] if config.one_encoder else ["GlobalEncoder", "LocalEncoder"])}
+        encoder_stages = encoder_stages or {name: stats["stages_p50_ms"]
+                                            for name, stats in encoder_stats().items()}
         burst = pages_per_s(lambda: [r.result() for r in [
             handle.encode.remote(pages[i % len(pages)]) for i in range(PAGES)]])
         sustained_pages_per_s(handle, pages, PAGES, PAGES)  # warm-up
         rows.append({"p50_ms": latency, "pages_per_s_c64_burst": burst,
                      "pages_per_s_c64": sustained_pages_per_s(handle, pages, PAGES, SUSTAINED * PAGES)})
+    # The encoders under load (the last repetition's 64-in-flight runs weigh most in their last
+    # 1,000 batches): how many requests a batch held, and the stages' medians.
+    under_load = {name: {k: v for k, v in stats.items() if k in ("requests_per_batch", "stages_p50_ms")}
+                  for name, stats in encoder_stats().items()}
     if profile_dir:  # where the CPU time goes under load: 64 in flight, again and again
-        names = ["Encoder"] if config.one_encoder else ["GlobalEncoder", "LocalEncoder"]
-        pids = {name: serve.get_deployment_handle(name, f"bench-{variant}").stats.remote().result()["pid"]
-                for name in names}
+        pids = {name: stats["pid"] for name, stats in encoder_stats().items()}
         pids |= {"Router": handle.stats.remote().result()["pid"], "driver": os.getpid()}
         samplers = py_spy(pids, 4, profile_dir)
         deadline = time.perf_counter() + 5
@@ -164,7 +170,7 @@ def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int,
             sampler.wait(timeout=30)
     serve.delete(f"bench-{variant}")
     return {"reps": rows, "router_stages_p50_ms_one_at_a_time": stages,
-            "encoder_stages_p50_ms_one_at_a_time": encoder_stages,
+            "encoder_stages_p50_ms_one_at_a_time": encoder_stages, "encoders_under_load": under_load,
             "views_on_encoder": config.views_on_encoder}
 
 
@@ -173,7 +179,8 @@ def hops(row: dict) -> dict:
     driver and the router (p50 less the router's own stages), and between the router and the
     encoders (the router's encode stage less the slower encoder's own stages)."""
     router = row["router_stages_p50_ms_one_at_a_time"]
-    inside = {name: sum(st.get(k) or 0.0 for k in ("wait_ms", "batch_views_ms", "run_ms", "results_ms"))
+    inside = {name: sum(st.get(k) or 0.0 for k in ("decode_ms", "wait_ms", "batch_views_ms", "run_ms",
+                                                   "results_ms"))
               for name, st in row["encoder_stages_p50_ms_one_at_a_time"].items()}
     p50 = statistics.median(r["p50_ms"] for r in row["reps"])
     return {"driver_router_ms": p50 - router["preprocess_ms"] - router["total_ms"],

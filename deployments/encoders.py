@@ -2,10 +2,10 @@
 or, with `one_encoder`, one `Encoder` deployment serving both paths.
 
 A replica loads the encoder and builds `DualPathEncoder(paths=(path,))` (the Encoder: both
-paths), the same engine the in-process API and the benchmarks run: requests that arrive
-together (`@serve.batch`, counting views, not requests; the Encoder counts images) are planned
-into token-budget batches by the scheduler's planner and replayed from this path's CUDA graphs,
-or run eagerly. The engine runs on one worker thread of the replica (capture and every replay),
+paths), the same engine the in-process API and the benchmarks run: requests that queued while
+the batch before ran (`scheduler.BatchQueue`, counting views, not requests; the Encoder counts
+images) are planned into token-budget batches by the scheduler's planner and replayed from this
+path's CUDA graphs, or run eagerly. The engine runs on one worker thread of the replica (capture and every replay),
 so the replica's event loop stays free for health checks and new arrivals while a batch runs;
 one batch at a time, since graphs own their static buffers. On CPU it runs eagerly.
 
@@ -32,6 +32,7 @@ from ray import serve
 from encoder import DualPathEncoder, assemble, load_encoder
 from encoder.preprocess import (DEFAULT_MAX_CROPS, MAX_CROPS_LIMIT, ImageHeader, check_view_options,
                                 crops_of, decode_header, global_view_of)
+from scheduler import BatchQueue
 
 from .config import PROBE_EVERY_S, STUCK_AFTER_S, AppConfig
 from .metrics import encoder_metrics, medians
@@ -68,6 +69,7 @@ class Request:
     view: ViewSpec | None = None
     arrived: float = field(default_factory=time.perf_counter)
     views: Views | None = None
+    decode_ms: float = 0.0  # decoding the bytes it was sent as took (decode_on_encoder)
 
 
 def _views(requests: list[Request]) -> int:
@@ -125,8 +127,10 @@ class PathEncoder:
         self.views_stream = self.batch_stream = None  # CUDA: made with the engine
         self.engine = self.worker.submit(self._load, config, constructor_start, cuda).result()
         self.runners = self.engine.paths  # this replica's paths' graphs
-        # A batch's size in images for both paths (the planner cuts it to both paths' budgets).
-        self.encode_batch.set_max_batch_size(self.runners[0].budgets.max_units)
+        # One batch at a time, each taking what queued while the one before ran, up to the
+        # path's largest budget in views (the Encoder: in images; the planner cuts a batch to
+        # both paths' budgets).
+        self.batches = BatchQueue(self.encode_batch, self.runners[0].budgets.max_units, _views)
         self.request_batches: Counter = Counter()  # requests per executed batch
         self.recent: deque[dict] = deque(maxlen=1000)  # per-batch stage timings
         self.broken: str | None = None
@@ -162,23 +166,22 @@ class PathEncoder:
         the views, on its device (`encoder.preprocess`).
         Encoder (one_encoder; `view` = ("both", mode, grid)): an image -> its whole sequence
         [num_tokens, D], assembled here (crops' grid with newlines, global view, separator)."""
+        decode_ms = 0.0
         if isinstance(pixels, ImageHeader):
             if view is None:
                 raise ValueError("an image's bytes need a view (path, mode, grid) to make")
+            start = time.perf_counter()
             decoded = await asyncio.get_running_loop().run_in_executor(
                 self.decode_worker, decode_header, pixels)  # ImageError: this request alone fails
-            pixels = to_wire(decoded.pixels)
-        request = Request(pixels, view)
+            pixels, decode_ms = to_wire(decoded.pixels), (time.perf_counter() - start) * 1e3
+        request = Request(pixels, view, decode_ms=decode_ms)
         if view is not None:
             check_view(self.path, pixels, view)
             if self.views_on_arrival:
                 request.views = await asyncio.get_running_loop().run_in_executor(
                     self.views_worker, self._views_of, pixels, view)
-        return await self.encode_batch(request)
+        return await self.batches.submit(request)
 
-    # No wait for more arrivals: a lone request would pay it in full, and under load a batch
-    # fills up anyway while the one before it runs (one batch at a time).
-    @serve.batch(batch_wait_timeout_s=0, max_concurrent_batches=1, batch_size_fn=_views)
     async def encode_batch(self, requests: list[Request]) -> list[Wire]:
         return await asyncio.get_running_loop().run_in_executor(self.worker, self._run_batch, requests)
 
@@ -214,7 +217,8 @@ class PathEncoder:
             results = to_wire_all([assemble(o.global_tokens, o.crop_tokens, r.view[2], encoder.image_newline,
                                             encoder.view_seperator) for o, r in zip(out, requests)])
         if requests:
-            self.recent.append({"wait_ms": statistics.median((start - r.arrived) * 1e3 for r in requests),
+            self.recent.append({"decode_ms": statistics.median(r.decode_ms for r in requests),
+                                "wait_ms": statistics.median((start - r.arrived) * 1e3 for r in requests),
                                 "views_ms": statistics.median(v.ms for v in views),
                                 "batch_views_ms": (made - start) * 1e3, "run_ms": (encoded - made) * 1e3,
                                 "results_ms": (time.perf_counter() - encoded) * 1e3})
@@ -287,12 +291,13 @@ class PathEncoder:
             raise
 
     def stage_medians(self) -> dict:
-        """Median ms per stage over the last 1,000 batches: a request's wait from arrival to
-        its batch's start (the median request of each batch), making one request's views, the
+        """Median ms per stage over the last 1,000 batches: decoding a request sent as bytes,
+        a request's wait from arrival (decoded) to its batch's start (the median request of
+        each batch), making one request's views, the
         batch's time making views (none when made on arrival), the engine's run (on a GPU,
         queuing the work) and the results copied off the device (on a GPU, until the work is
         done)."""
-        keys = ("wait_ms", "views_ms", "batch_views_ms", "run_ms", "results_ms")
+        keys = ("decode_ms", "wait_ms", "views_ms", "batch_views_ms", "run_ms", "results_ms")
         return {"batches": len(self.recent), **medians(self.recent, keys)}
 
     def ready(self) -> dict:

@@ -1,4 +1,7 @@
-"""Budgets and the planner: exhaustive and property tests (plain Python)."""
+"""Budgets and the planner: exhaustive and property tests; the replicas' batch queue (plain
+Python)."""
+import asyncio
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -155,3 +158,83 @@ def test_stats():
     assert (d["real_tokens"], d["padded_tokens"]) == (800, 100)
     assert d["padding_fraction"] == pytest.approx(100 / 900)
     assert d["batch_sizes"] == {3: 1, 5: 1}
+
+
+# --- the replicas' batch queue ----------------------------------------------------------------
+
+
+def test_batch_queue_takes_what_queued_while_the_batch_before_ran():
+    """One batch at a time; a lone item runs at once; the items that arrive one by one while a
+    batch runs all go into the next batch (Serve's @serve.batch made each its own batch)."""
+    from scheduler import BatchQueue
+    batches, running = [], []
+
+    async def run(items):
+        running.append(1)
+        assert len(running) == 1, "two batches at once"
+        batches.append(list(items))
+        await asyncio.sleep(0.05)
+        running.pop()
+        return [i * 10 for i in items]
+
+    async def scenario():
+        queue = BatchQueue(run, max_size=4)
+        first = asyncio.ensure_future(queue.submit(0))
+        await asyncio.sleep(0.01)  # the first batch is running now
+        later = []
+        for i in range(1, 7):
+            later.append(asyncio.ensure_future(queue.submit(i)))
+            await asyncio.sleep(0.002)  # one by one
+        return await asyncio.gather(first, *later), queue.batches
+    results, count = asyncio.run(scenario())
+    assert results == [0, 10, 20, 30, 40, 50, 60]
+    assert batches == [[0], [1, 2, 3, 4], [5, 6]] and count == 3
+
+
+def test_batch_queue_counts_sizes_runs_oversized_items_alone_and_survives_errors():
+    from scheduler import BatchQueue
+    batches = []
+
+    async def run(items):
+        batches.append(list(items))
+        if "bad" in items:
+            raise ValueError("a bad batch")
+        return [len(i) for i in items]
+
+    async def scenario():
+        # Sizes are string lengths: "aa" + "bb" fit 4, "ccccc" alone exceeds it and runs alone.
+        queue = BatchQueue(run, max_size=4, size_of=lambda items: sum(len(i) for i in items))
+        blocker = asyncio.ensure_future(queue.submit("x"))
+        await asyncio.sleep(0)
+        calls = [asyncio.ensure_future(queue.submit(s)) for s in ("aa", "bb", "ccccc", "d")]
+        got = await asyncio.gather(blocker, *calls)
+        failed = asyncio.ensure_future(queue.submit("bad"))
+        with pytest.raises(ValueError, match="a bad batch"):
+            await failed
+        return got, await queue.submit("after")  # the queue goes on after a failed batch
+    got, after = asyncio.run(scenario())
+    assert got == [1, 2, 2, 5, 1] and after == 5
+    assert batches == [["x"], ["aa", "bb"], ["ccccc"], ["d"], ["bad"], ["after"]]
+
+
+def test_batch_queue_skips_items_of_cancelled_callers():
+    from scheduler import BatchQueue
+    batches = []
+
+    async def run(items):
+        batches.append(list(items))
+        await asyncio.sleep(0.02)
+        return items
+
+    async def scenario():
+        queue = BatchQueue(run, max_size=8)
+        first = asyncio.ensure_future(queue.submit(1))
+        await asyncio.sleep(0.005)
+        gone, kept = asyncio.ensure_future(queue.submit(2)), asyncio.ensure_future(queue.submit(3))
+        await asyncio.sleep(0)
+        gone.cancel()
+        await asyncio.sleep(0)  # the cancellation reaches the item's future
+        assert queue.queued() == 1
+        return await first, await kept
+    assert asyncio.run(scenario()) == (1, 3)
+    assert batches == [[1], [3]]
