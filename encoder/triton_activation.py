@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from common.triton_compile import launch_kernel
+
 
 @triton.jit
 def _quick_gelu_fwd(X, Y, n, BLOCK: tl.constexpr,
@@ -35,7 +37,7 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(1.702 x) of contiguous `x`."""
     y = torch.empty_like(x)
     block = 4096
-    _quick_gelu_fwd[(triton.cdiv(x.numel(), block),)](
-        x, y, x.numel(), BLOCK=block, num_warps=8,
-        LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1")  # the CPU interpreter lacks libdevice
+    launch_kernel(_quick_gelu_fwd, (triton.cdiv(x.numel(), block),),
+                  x, y, x.numel(), BLOCK=block, num_warps=8,
+                  LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1")  # the CPU interpreter lacks libdevice
     return y

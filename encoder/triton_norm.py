@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.triton_compile import launch_kernel
+
 
 @triton.jit
 def _layer_norm_fwd(X, R, W, B, S, Y, n_rows, n_cols, eps,
@@ -45,7 +47,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     total = torch.empty_like(x) if residual is not None else y
     block_n = triton.next_power_of_2(n_cols)
     rows = max(1, 4096 // block_n)  # ~4k elements a program: a few rows of 768 or 1024
-    _layer_norm_fwd[(triton.cdiv(n_rows, rows),)](
-        x, x if residual is None else residual, weight, bias, total, y, n_rows, n_cols, eps,
-        HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK_N=block_n, num_warps=4)
+    launch_kernel(_layer_norm_fwd, (triton.cdiv(n_rows, rows),),
+                  x, x if residual is None else residual, weight, bias, total, y, n_rows, n_cols, eps,
+                  HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK_N=block_n, num_warps=4)
     return y if residual is None else (total, y)

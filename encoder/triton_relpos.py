@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.triton_compile import launch_kernel
+
 
 @triton.jit
 def _queries(pid_m, pid_g, n_heads, n_win, n_win_w, grid_h, grid_w, full_h, full_w,
@@ -253,11 +255,11 @@ def rel_pos_terms(q: torch.Tensor, table_h: torch.Tensor, table_w: torch.Tensor,
     rel_h = q.new_empty(bsz * n_win, n, seq_len, grid_h)
     rel_w = q.new_empty(bsz * n_win, n, seq_len, grid_w)
     block_m = 64
-    _rel_terms_fwd[(triton.cdiv(seq_len, block_m), bsz * n_win * n)](
-        q, table_h.contiguous(), table_w.contiguous(), rel_h, rel_w,
-        q.stride(0), q.stride(1), q.stride(2), n, grid_h, grid_w, full_h, full_w, n_win, n_win_w,
-        HEAD_DIM=c, BLOCK_M=block_m, H_PAD=_dot_pad(grid_h), W_PAD=_dot_pad(grid_w),
-        TH_PAD=_dot_pad(2 * grid_h - 1), TW_PAD=_dot_pad(2 * grid_w - 1), num_warps=4)
+    launch_kernel(_rel_terms_fwd, (triton.cdiv(seq_len, block_m), bsz * n_win * n),
+                  q, table_h.contiguous(), table_w.contiguous(), rel_h, rel_w,
+                  q.stride(0), q.stride(1), q.stride(2), n, grid_h, grid_w, full_h, full_w, n_win, n_win_w,
+                  HEAD_DIM=c, BLOCK_M=block_m, H_PAD=_dot_pad(grid_h), W_PAD=_dot_pad(grid_w),
+                  TH_PAD=_dot_pad(2 * grid_h - 1), TW_PAD=_dot_pad(2 * grid_w - 1), num_warps=4)
     return rel_h, rel_w
 
 
@@ -302,7 +304,8 @@ def launch(q, k, v, rel_h, rel_w, out, BLOCK_M, ROWS, ROW_PAD, num_warps, num_st
     tail_cols = grid_w - ROW_PAD if TAIL_ROWS else 0
     assert tail_cols > 0 or not TAIL_ROWS, (grid_w, ROW_PAD, TAIL_ROWS)
     tail_pad = triton.next_power_of_2(tail_cols) if tail_cols else 1
-    _relpos_attention_fwd[(triton.cdiv(grid_h * grid_w, BLOCK_M), bsz * n_win * n)](
+    launch_kernel(
+        _relpos_attention_fwd, (triton.cdiv(grid_h * grid_w, BLOCK_M), bsz * n_win * n),
         q, k, v, rel_h, rel_w, out, k_bias, v_bias,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),

@@ -374,3 +374,34 @@ def test_kernel_choices_trace_under_torch_compile_fullgraph():
 
     x = torch.zeros(2)
     assert torch.equal(torch.compile(choose, fullgraph=True, backend="eager")(x), choose(x))
+
+
+class _RecordingKernel:
+    """Stands in for a Triton kernel: records launches (`kernel[grid](...)`) and compiles
+    (`kernel.warmup(...)`)."""
+
+    def __init__(self):
+        self.launches, self.compiles = [], []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+    def warmup(self, *args, grid, **kwargs):
+        self.compiles.append((grid, args, kwargs))
+
+
+def test_compile_ahead_compiles_instead_of_launching_then_launches_again(monkeypatch):
+    """Inside `compile_ahead` a launch through `launch_kernel` only compiles (Triton's warmup,
+    with the launch's own arguments, so the same specialisation); after it, launches run. The
+    switch off: the forward does not run at all."""
+    pytest.importorskip("triton.runtime._async_compile")
+    from common.triton_compile import compile_ahead, launch_kernel
+    kernel = _RecordingKernel()
+    monkeypatch.delenv("DEEPSEEK_OCR_COMPILE_AHEAD", raising=False)
+    seconds = compile_ahead(lambda: launch_kernel(kernel, (4, 2), "q", 7, BLOCK=64))
+    assert seconds > 0 and kernel.launches == []
+    assert kernel.compiles == [((4, 2), ("q", 7), {"BLOCK": 64})]
+    launch_kernel(kernel, (1,), "x")
+    assert kernel.launches == [((1,), ("x",), {})]
+    monkeypatch.setenv("DEEPSEEK_OCR_COMPILE_AHEAD", "0")
+    assert compile_ahead(lambda: pytest.fail("the forward ran with the switch off")) == 0.0
