@@ -15,10 +15,12 @@ reference twin); without Triton's async compile (Triton < 3.5) compile_ahead doe
 from __future__ import annotations
 
 import contextvars
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+log = logging.getLogger(__name__)
 _compile_only: contextvars.ContextVar[bool] = contextvars.ContextVar("triton_compile_only", default=False)
 
 
@@ -49,6 +51,8 @@ def compile_ahead(forward, threads: int = 16) -> float:
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool, AsyncCompileMode(pool):
             forward()
+    except Exception:  # a speed-up only: what did not compile here compiles at its first launch
+        log.exception("compiling the Triton kernels ahead failed; they compile at first launch")
     finally:
         _compile_only.reset(token)
     return time.perf_counter() - start
