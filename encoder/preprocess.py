@@ -89,20 +89,26 @@ MODES: dict[str, ViewMode] = {
 }
 
 
+class _Tiling:
+    """`tiled` of an image measured into a grid of crops."""
+
+    grid: tuple[int, int]
+
+    @property
+    def tiled(self) -> bool:
+        return self.grid != (1, 1)
+
+
 # eq=False: the fields are tensors, and a generated __eq__ comparing tensors
 # would raise ("Boolean value of Tensor ... is ambiguous").
 @dataclass(frozen=True, eq=False)
-class PreprocessedImage:
+class PreprocessedImage(_Tiling):
     global_view: torch.Tensor  # uint8 [3, S, S], S = mode's base size
     crops: torch.Tensor  # uint8 [P, 3, 640, 640]; P = 0 when not tiled
     grid: tuple[int, int]  # (width tiles, height tiles); (1, 1) when not tiled
     num_tokens: int  # length of this image's token sequence
     mode: str
     original_size: tuple[int, int]  # (width, height) after EXIF transpose
-
-    @property
-    def tiled(self) -> bool:
-        return self.grid != (1, 1)
 
 
 # ---------------------------------------------------------------------------
@@ -453,7 +459,7 @@ def _decode(image, mode, max_crops, max_pixels, grey) -> tuple[Image.Image, View
 
 
 @dataclass(frozen=True, eq=False)
-class DecodedImage:
+class DecodedImage(_Tiling):
     """An image decoded, oriented and measured, before any resize: what a router sends when
     the encoders make the views on their own device (`global_view_of`, `crops_of`)."""
 
@@ -462,10 +468,6 @@ class DecodedImage:
     num_tokens: int
     mode: str
     original_size: tuple[int, int]
-
-    @property
-    def tiled(self) -> bool:
-        return self.grid != (1, 1)
 
 
 def decode(
@@ -485,7 +487,7 @@ def decode(
 
 
 @dataclass(frozen=True, eq=False)
-class ImageHeader:
+class ImageHeader(_Tiling):
     """A PNG's or JPEG's bytes with what their header says (no pixel decoded): the image's size
     as a person sees it (EXIF orientation applied), its grid and token count. A router sends
     this, and the encoder decodes `data` (`decode_header`)."""
@@ -495,10 +497,6 @@ class ImageHeader:
     num_tokens: int
     mode: str
     original_size: tuple[int, int]
-
-    @property
-    def tiled(self) -> bool:
-        return self.grid != (1, 1)
 
 
 # EXIF orientations that swap width and height (transposes and quarter turns).
