@@ -71,7 +71,8 @@ def main(argv=None):
             engine.overlap_paths = True
             rows[f"{name}_global_only"] = wall_ms(lambda: engine.run([item.global_view], [None]), opts.iters)
             rows[f"{name}_local_only"] = wall_ms(lambda: engine.run([None], [item.crops]), opts.iters)
-        timeline = {name: stream_timeline(both(item)) for name, item in (("host_views", host), ("gpu_views", gpu))}
+        timeline = {name: stream_timeline(both(item))
+                    for name, item in (("host_views", host), ("gpu_views", gpu))}
     for k, v in rows.items():
         print(f"{k:>28}: {v:6.2f} ms", flush=True)
     for name, streams in timeline.items():

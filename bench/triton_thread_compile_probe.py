@@ -1,5 +1,10 @@
 """Does Triton compile kernels in parallel on threads? 12 distinct specialisations of one kernel
-compiled serially, then another 12 on 12 threads (empty cache each time)."""
+compiled serially, then another 12 on 12 threads (an empty Triton cache). Needs a CUDA GPU.
+
+    python bench/triton_thread_compile_probe.py
+
+On the H200 machine (Triton 3.6): serial 3.92 s, 12 threads 1.24 s: the reason
+`common/triton_compile.py` compiles an encoder path's kernels on threads."""
 import os
 import sys
 import tempfile

@@ -5,9 +5,10 @@ A replica loads the encoder and builds `DualPathEncoder(paths=(path,))` (the Enc
 paths), the same engine the in-process API and the benchmarks run: requests that queued while
 the batch before ran (`scheduler.BatchQueue`, counting views, not requests; the Encoder counts
 images) are planned into token-budget batches by the scheduler's planner and replayed from this
-path's CUDA graphs, or run eagerly. The engine runs on one worker thread of the replica (capture and every replay),
-so the replica's event loop stays free for health checks and new arrivals while a batch runs;
-one batch at a time, since graphs own their static buffers. On CPU it runs eagerly.
+path's CUDA graphs, or run eagerly. The engine runs on one worker thread of the replica
+(capture and every replay), so the replica's event loop stays free for health checks and new
+arrivals while a batch runs; one batch at a time, since graphs own their static buffers. On CPU
+it runs eagerly.
 
 On a GPU, views made here from decoded pixels are made as each request arrives, on a views
 thread and a CUDA stream of their own (`views_on_arrival`): while one batch runs the next one's
@@ -214,8 +215,9 @@ class PathEncoder:
             results = to_wire_all([o.crop_tokens for o in out])
         else:  # each image's sequence, assembled on the device: one tensor back per image
             encoder = self.engine.encoder
-            results = to_wire_all([assemble(o.global_tokens, o.crop_tokens, r.view[2], encoder.image_newline,
-                                            encoder.view_seperator) for o, r in zip(out, requests)])
+            results = to_wire_all([assemble(o.global_tokens, o.crop_tokens, r.view[2],
+                                            encoder.image_newline, encoder.view_seperator)
+                                   for o, r in zip(out, requests)])
         if requests:
             self.recent.append({"decode_ms": statistics.median(r.decode_ms for r in requests),
                                 "wait_ms": statistics.median((start - r.arrived) * 1e3 for r in requests),
@@ -293,10 +295,9 @@ class PathEncoder:
     def stage_medians(self) -> dict:
         """Median ms per stage over the last 1,000 batches: decoding a request sent as bytes,
         a request's wait from arrival (decoded) to its batch's start (the median request of
-        each batch), making one request's views, the
-        batch's time making views (none when made on arrival), the engine's run (on a GPU,
-        queuing the work) and the results copied off the device (on a GPU, until the work is
-        done)."""
+        each batch), making one request's views, the batch's time making views (none when made
+        on arrival), the engine's run (on a GPU, queuing the work) and the results copied off
+        the device (on a GPU, until the work is done)."""
         keys = ("decode_ms", "wait_ms", "views_ms", "batch_views_ms", "run_ms", "results_ms")
         return {"batches": len(self.recent), **medians(self.recent, keys)}
 

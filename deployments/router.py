@@ -44,7 +44,8 @@ from decoder import DecoderArgs, build_prompt, load_tokenizer
 from decoder.grounding import parse_blocks, to_markdown
 from documents import DocumentError, PdfDocument, map_pages, parse_page_range
 from encoder import ImageError, assemble
-from encoder.preprocess import DecodedImage, ImageHeader, PendingImage, decode, read_header, start_preprocess
+from encoder.preprocess import (DecodedImage, ImageHeader, PendingImage, decode, read_header,
+                                start_preprocess)
 
 from . import openai_api
 from . import pages
@@ -467,7 +468,8 @@ class Router:
                 return _Image(key, cached=cached)
             if self.config.views_on_encoder:
                 began = time.perf_counter()
-                sent = read_header(image, options.mode, options.max_crops) if self.config.decode_on_encoder else None
+                sent = (read_header(image, options.mode, options.max_crops)
+                        if self.config.decode_on_encoder else None)
                 sent = sent or decode(image, options.mode, options.max_crops)
                 return _Image(key, pending=sent, decode_ms=(time.perf_counter() - began) * 1e3)
             return _Image(key, pending=start_preprocess(image, options.mode, options.max_crops))
@@ -499,8 +501,9 @@ class Router:
         # its decoded pixels, for them to make the views from; or (views made here) its views.
         sent = pending if isinstance(pending, ImageHeader) else (
             to_wire(pending.pixels) if isinstance(pending, DecodedImage) else None)
-        if self.local_encoder is None:  # one_encoder: one call makes, encodes and assembles both paths
-            seq = await call_with_retry(self.global_encoder.encode, sent, ("both", pending.mode, pending.grid))
+        if self.local_encoder is None:  # one_encoder: one call decodes, encodes and assembles
+            seq = await call_with_retry(self.global_encoder.encode, sent,
+                                        ("both", pending.mode, pending.grid))
             return self._assembled(image, from_wire(seq), start, image.decode_ms)
         if sent is not None:
             # One copy into the object store for both encoders (each call would make its own).
@@ -531,7 +534,8 @@ class Router:
         one Encoder assembles it) or its paths' (global tokens, crop tokens or None)."""
         item = item or image.pending
         encoded = time.perf_counter()
-        seq = tokens if torch.is_tensor(tokens) else assemble(*tokens, item.grid, self.newline, self.separator)
+        seq = (tokens if torch.is_tensor(tokens)
+               else assemble(*tokens, item.grid, self.newline, self.separator))
         assert seq.shape[0] == item.num_tokens, (seq.shape, item.num_tokens)
         if self.cache is not None:
             self.cache.put(image.key, (seq, item.original_size), seq.numel() * seq.element_size())

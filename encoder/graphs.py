@@ -10,8 +10,8 @@ The story, top to bottom:
    views) and its own output. First the path's Triton kernels are compiled on threads at once
    (`common.triton_compile`); before each capture the forward runs on a side stream (warm-up:
    cuDNN/cuBLAS handles, the allocator's pool), and each path captures on its own stream
-   (`common.cuda_graphs.capture_graph` says why). A memory cap drops graphs,
-   largest first, until the path fits; dropped budgets run eagerly.
+   (`common.cuda_graphs.capture_graph` says why). A memory cap drops graphs, largest first,
+   until the path fits; dropped budgets run eagerly.
 2. `PathGraphs.run(pixels, plan)` executes one planned batch on this path: when a graph holds
    the planned budget, copy the real views into the first rows of its input, zero rows left over
    from a bigger earlier batch, replay, and CLONE the real output rows (the next replay
@@ -20,7 +20,8 @@ The story, top to bottom:
    each encoder deployment). `run` takes a queue of images' views, groups them by view size,
    lets the scheduler's `Planner` cut each group into batches that fit both paths' budgets, runs
    each batch's paths (on CUDA, when a batch has both, the local path launched first on the
-   current stream, then the global path on a side stream) and returns every image's tokens in queue order.
+   current stream, then the global path on a side stream) and returns every image's tokens in
+   queue order.
    `encode` / `encode_images` add preprocessing before and `assemble` after. On CPU the same code
    runs every batch eagerly. On a GPU `encode_images` only decodes on the CPU and makes the
    views on the GPU, with PIL's exact bicubic arithmetic (`resize.py`; `views_on_device`).
@@ -142,7 +143,8 @@ class PathGraphs:
         -> a fresh [n, tokens, D] tensor. `pixels` may also be a list of parts ([3, S, S] views
         or [k, 3, S, S] stacks): a graph's input takes each part in place (no stacked copy on the
         host first, whose time would sit before the replay)."""
-        parts = [p[None] if p.dim() == 3 else p for p in ([pixels] if torch.is_tensor(pixels) else pixels)]
+        parts = [pixels] if torch.is_tensor(pixels) else pixels
+        parts = [p[None] if p.dim() == 3 else p for p in parts]
         n = sum(p.shape[0] for p in parts)
         if n == 0:
             raise ValueError(f"{self.name} path: empty batch (a path with no views is skipped)")

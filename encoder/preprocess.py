@@ -511,9 +511,9 @@ def read_header(
 ) -> ImageHeader | None:
     """`image`'s sizes from its header alone, as `decode` would find them: for JPEG bytes (their
     EXIF and XMP orientation are in the header) and PNG bytes with no chunk that can orient
-    them (an eXIf or XMP chunk may follow the pixel data: None then, as for every other input). The same errors as `decode`
-    for bytes it refuses from the header (an unknown format, too many pixels); pixel data it
-    has not read can still fail to decode."""
+    them (an eXIf or XMP chunk may follow the pixel data: None then, as for every other input).
+    The same errors as `decode` for bytes it refuses from the header (an unknown format, too
+    many pixels); pixel data it has not read can still fail to decode."""
     view_mode = check_view_options(mode, max_crops)
     if not isinstance(image, (bytes, bytearray, memoryview)):
         return None

@@ -39,5 +39,6 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     block = 4096
     launch_kernel(_quick_gelu_fwd, (triton.cdiv(x.numel(), block),),
                   x, y, x.numel(), BLOCK=block, num_warps=8,
-                  LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1")  # the CPU interpreter lacks libdevice
+                  # the CPU interpreter lacks libdevice
+                  LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1")
     return y
