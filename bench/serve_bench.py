@@ -11,11 +11,12 @@ them); also encoding alone of pages preprocessed beforehand (the stricter baseli
 Through Serve (encode-only app: Router -> GlobalEncoder + LocalEncoder, no decoder): p50 of
 `handle.encode.remote(page)` one at a time, and pages/s with 64 requests in flight: 320 calls,
 64 outstanding at all times (`pages_per_s_c64`, the ratios' figure), and one burst of 64 calls
-at once, waited for together (`pages_per_s_c64_burst`: the pipeline fills and drains in it). Variants:
-"shared" (both encoders on one GPU at num_gpus 0.5 with memory caps), "separate" (each encoder
-on its own GPU; needs 2), "shared-one-encoder" (one_encoder: both paths in one Encoder
-process on the GPU, one call per page) and "shared-router-views" (views_on_encoder=false: the
-routers make the views with PIL, the reference path and the design before). 4 router replicas (2 CPUs each).
+at once, waited for together (`pages_per_s_c64_burst`: the pipeline fills and drains in it).
+Variants: "shared" (both encoders on one GPU at num_gpus 0.5 with memory caps), "separate"
+(each encoder on its own GPU; needs 2), "shared-one-encoder" (one_encoder: both paths in one
+Encoder process on the GPU, one call per page) and "shared-router-views" (views_on_encoder=false:
+the routers make the views with PIL, the reference path and the design before). 4 router
+replicas (2 CPUs each).
 Each measurement is repeated `reps` times in this one run; each ratio is the median over the
 repetitions of (Serve rep i) / (in-process rep i). This process takes the replicas' allocator
 settings (`common.allocator`), so in-process and Serve decode alike. `hops_one_at_a_time`: a
@@ -153,8 +154,8 @@ def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int,
         burst = pages_per_s(lambda: [r.result() for r in [
             handle.encode.remote(pages[i % len(pages)]) for i in range(PAGES)]])
         sustained_pages_per_s(handle, pages, PAGES, PAGES)  # warm-up
-        rows.append({"p50_ms": latency, "pages_per_s_c64_burst": burst,
-                     "pages_per_s_c64": sustained_pages_per_s(handle, pages, PAGES, SUSTAINED * PAGES)})
+        sustained = sustained_pages_per_s(handle, pages, PAGES, SUSTAINED * PAGES)
+        rows.append({"p50_ms": latency, "pages_per_s_c64_burst": burst, "pages_per_s_c64": sustained})
     # The encoders under load (the last repetition's 64-in-flight runs weigh most in their last
     # 1,000 batches): how many requests a batch held, and the stages' medians.
     under_load = {name: {k: v for k, v in stats.items() if k in ("requests_per_batch", "stages_p50_ms")}
