@@ -7,7 +7,8 @@
 #                                       # twins) and profile, both experts kernels
 #   bash bench/gpu_session.sh tune-moe  # the fused MoE kernels' tiles, decode and prefill (bench/tune_moe_kernel.py)
 #   bash bench/gpu_session.sh compile   # compile_bench --all_budgets twice (cold, warm cache), compile test
-#   bash bench/gpu_session.sh serve     # GPU tests that need Ray, serve_bench with py-spy samples (needs the Ray bundle)
+#   bash bench/gpu_session.sh serve     # GPU tests that need Ray, the decode probe, serve_bench with py-spy samples
+#                                       # (needs the Ray bundle)
 #   bash bench/gpu_session.sh e2e       # e2e_bench (needs the Ray bundle)
 #   bash bench/gpu_session.sh e2e-one-encoder   # e2e_bench of gpu-shared-one-encoder.yaml
 #   bash bench/gpu_session.sh startup   # e2e_bench's cold start and one page alone, three ways (~5 min)
@@ -70,6 +71,7 @@ case "${1:?phase: encoder, kernels, decoder, tune-moe, compile, serve, e2e, e2e-
     ray_bundle
     timeout 150 python3 -m pytest -q -rs --tb=short -m gpu tests/test_graphs.py -k "not compiled" 2>&1 \
       | tee "$out/gpu-tests-serve.txt" | tail -4 || echo "GPU TESTS FAILED"
+    python3 bench/decode_probe.py 2>&1 | grep "process\|actor"  # the page's decode, in process and in an actor
     python3 bench/serve_bench.py --variants shared shared-one-encoder --py_spy "$out" --out "$out" 2>&1 \
       | grep -v " INFO \| WARNING " | tail -40
     ;;
