@@ -13,13 +13,13 @@ and must not depend on Ray or on the model code.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import math
-import struct
 import os
+import struct
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -447,10 +447,17 @@ def _decode(image, mode, max_crops, max_pixels, grey) -> tuple[Image.Image, View
     img = _load(image, max_pixels, keep_grey=grey)
     if grey and img.mode == "RGB":
         img = _grey_channel(img) or img
+    return img, view_mode, *_grid_and_tokens(img.width, img.height, view_mode, max_crops)
+
+
+def _grid_and_tokens(width: int, height: int, view_mode: ViewMode,
+                     max_crops: int) -> tuple[tuple[int, int], int]:
+    """The crop grid of an image this size (untiled where the mode does not crop or the image
+    fits one crop) and its token count."""
     grid = (1, 1)
-    if view_mode.crop and (img.width > CROP_SIZE or img.height > CROP_SIZE):
-        grid = choose_grid(img.width, img.height, max_crops)
-    return img, view_mode, grid, count_tokens(grid, base_size=view_mode.base_size, crop_size=CROP_SIZE)
+    if view_mode.crop and (width > CROP_SIZE or height > CROP_SIZE):
+        grid = choose_grid(width, height, max_crops)
+    return grid, count_tokens(grid, base_size=view_mode.base_size, crop_size=CROP_SIZE)
 
 
 # ---------------------------------------------------------------------------
@@ -530,11 +537,7 @@ def read_header(
         width, height = img.size
     if exif.get(0x0112, 1) in _SWAPPING_ORIENTATIONS:  # ExifTags.Base.Orientation
         width, height = height, width
-    grid = (1, 1)
-    if view_mode.crop and (width > CROP_SIZE or height > CROP_SIZE):
-        grid = choose_grid(width, height, max_crops)
-    return ImageHeader(data, grid, count_tokens(grid, base_size=view_mode.base_size, crop_size=CROP_SIZE),
-                       mode, (width, height))
+    return ImageHeader(data, *_grid_and_tokens(width, height, view_mode, max_crops), mode, (width, height))
 
 
 # PNG chunks from which Pillow may read an orientation (`Image.getexif`): EXIF, and XMP or raw
