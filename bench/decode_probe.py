@@ -1,7 +1,8 @@
 """Why does a page's PNG decode take ~10 ms in a replica and ~5.5 ms in the bench's process?
 The same decode (`decode_header` of the e2e bench's text page) timed in this process and in a Ray
 actor like a replica (the replicas' allocator settings; on its main thread and on a worker
-thread; before and after CUDA is initialised there when there is a GPU).
+thread, back to back and 30 ms apart as single pages arrive; before and after CUDA is
+initialised there when there is a GPU).
 
     python bench/decode_probe.py      # needs ray; a GPU is optional
 
@@ -30,18 +31,22 @@ def timings(cuda: bool = False) -> dict[str, float]:
         torch.zeros(1, device="cuda")
     header = read_header(page_png(0))
 
-    def median_ms(call) -> float:
+    def median_ms(call, gap_s: float = 0.0) -> float:
         for _ in range(5):
             call()
         times = []
         for _ in range(50):
+            time.sleep(gap_s)
             start = time.perf_counter()
             call()
             times.append((time.perf_counter() - start) * 1e3)
         return round(statistics.median(times), 2)
     with ThreadPoolExecutor(4) as pool:
+        # "30 ms apart": as one page at a time reaches a replica (an idle core between pages).
         return {"this thread": median_ms(lambda: decode_header(header)),
-                "worker thread": median_ms(lambda: pool.submit(decode_header, header).result())}
+                "worker thread": median_ms(lambda: pool.submit(decode_header, header).result()),
+                "worker thread, 30 ms apart": median_ms(lambda: pool.submit(decode_header, header).result(),
+                                                        gap_s=0.03)}
 
 
 def main():

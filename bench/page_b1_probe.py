@@ -1,6 +1,10 @@
 """Where one 2x3 page's batch-1 time goes: the engine's call with the views on the host (as
 graph_bench's page_b1_ms) and on the GPU (as the Encoder replica has them), both paths
 overlapped or on one stream, each path alone; and a kernel timeline per CUDA stream.
+Two launch schemes the engine does not use, measured against its own: `threaded` (the local
+graph launched from a second thread while this one launches the global graph: a graph's
+launch holds its thread ~2 ms, which now sits before the global path starts) and `joint` (one
+graph capturing both paths' forwards on two forked streams: one launch for the page).
 
     python bench/page_b1_probe.py [--out bench/results] [--iters 30]
 
@@ -12,12 +16,14 @@ import dataclasses
 import datetime
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import options, wall_ms, write_result  # noqa: E402
 from bench.graph_bench import image  # noqa: E402
+from common.cuda_graphs import capture_graph  # noqa: E402
 from encoder import DualPathEncoder, EncoderArgs, preprocess  # noqa: E402
 from encoder.checkpoint import random_encoder  # noqa: E402
 
@@ -52,6 +58,62 @@ def stream_timeline(fn) -> dict:
     return streams
 
 
+def equal(a, b) -> bool:
+    return torch.equal(a.global_tokens, b.global_tokens) and torch.equal(a.crop_tokens, b.crop_tokens)
+
+
+def launch_local_on_a_thread(engine):
+    """Swap the engine's `_run_both` for one that stages and launches the local path on a
+    worker thread (the current stream) while this thread does the global path (a side stream):
+    CUDAGraph.replay releases the GIL, so the two launches can proceed at once."""
+    pool, side = ThreadPoolExecutor(1), torch.cuda.Stream()
+
+    def run_both(global_views, global_plan, crops, local_plan):
+        current = torch.cuda.current_stream()
+        inputs_ready = current.record_event()
+
+        def local():
+            with torch.inference_mode(), torch.cuda.stream(current):
+                return engine.local_path.run(crops, local_plan)
+        local_tokens = pool.submit(local)
+        side.wait_event(inputs_ready)
+        with torch.cuda.stream(side):
+            global_tokens = engine.global_path.run(global_views, global_plan)
+        local_tokens = local_tokens.result()
+        current.wait_stream(side)
+        global_tokens.record_stream(current)
+        return global_tokens, local_tokens
+    run_both.original = engine._run_both
+    engine._run_both = run_both
+    return run_both
+
+
+def joint_graph(engine, item):
+    """One CUDA graph of a batch-1 page: the local path's forward on the capture stream and the
+    global path's on a forked side stream, joined at the end. Returns (call(item): stage the
+    item's views into the graph's inputs and replay, the graph's outputs)."""
+    global_in = item.global_view[None].clone()
+    crops_in = item.crops.clone()
+    side = torch.cuda.Stream()
+
+    def forward():
+        current = torch.cuda.current_stream()
+        side.wait_stream(current)
+        crop_tokens = engine.local_path.forward(crops_in)
+        with torch.cuda.stream(side):
+            global_tokens = engine.global_path.forward(global_in)
+        current.wait_stream(side)
+        return global_tokens, crop_tokens
+    graph, outputs = capture_graph(forward, torch.cuda.graph_pool_handle(), device="cuda")
+
+    def call(page):
+        global_in.copy_(page.global_view[None], non_blocking=True)
+        crops_in.copy_(page.crops, non_blocking=True)
+        graph.replay()
+        return outputs
+    return call, outputs
+
+
 def main(argv=None):
     opts = options(argv, iters=30)
     encoder = random_encoder(EncoderArgs(), device="cuda", dtype=torch.bfloat16)
@@ -73,8 +135,22 @@ def main(argv=None):
             rows[f"{name}_local_only"] = wall_ms(lambda: engine.run([None], [item.crops]), opts.iters)
         timeline = {name: stream_timeline(both(item))
                     for name, item in (("host_views", host), ("gpu_views", gpu))}
+        reference = both(gpu)()[0]
+        threaded = launch_local_on_a_thread(engine)
+        for name, item in (("host_views", host), ("gpu_views", gpu)):
+            rows[f"{name}_threaded"] = wall_ms(both(item), opts.iters)
+        timeline["gpu_views_threaded"] = stream_timeline(both(gpu))
+        rows["threaded_equal"] = equal(both(gpu)()[0], reference)
+        engine._run_both = threaded.original
+        joint, outputs = joint_graph(engine, gpu)
+        for name, item in (("host_views", host), ("gpu_views", gpu)):
+            rows[f"{name}_joint"] = wall_ms(lambda: joint(item), opts.iters)
+        timeline["gpu_views_joint"] = stream_timeline(lambda: joint(gpu))
+        joint(gpu)
+        rows["joint_equal"] = (torch.equal(outputs[0][0], reference.global_tokens)
+                               and torch.equal(outputs[1], reference.crop_tokens))
     for k, v in rows.items():
-        print(f"{k:>28}: {v:6.2f} ms", flush=True)
+        print(f"{k:>28}: {v:6.2f} ms" if isinstance(v, float) else f"{k:>28}: {v}", flush=True)
     for name, streams in timeline.items():
         for stream, row in streams.items():
             print(f"{name} {stream}: {row}", flush=True)

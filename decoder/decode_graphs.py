@@ -41,6 +41,32 @@ def buckets(candidates, limit: int) -> list[int]:
     return sorted({c for c in candidates if c < limit} | {limit})
 
 
+def batch_buckets(max_batch: int) -> list[int]:
+    return buckets(BATCH_BUCKETS, max_batch)
+
+
+def context_buckets(cache: KVCache, max_len: int) -> list[int]:
+    return buckets(KERNEL_CONTEXT_BUCKETS if cache.kernel == "triton" else CONTEXT_BUCKETS, max_len)
+
+
+def graph_shapes(cache: KVCache, max_batch: int, max_len: int) -> list[tuple[int, int]]:
+    """(batch bucket, context bucket) of every graph `DecodeGraphs` captures, largest first."""
+    return sorted(itertools.product(batch_buckets(max_batch), context_buckets(cache, max_len)), reverse=True)
+
+
+def decode_step(model: Decoder, cache: KVCache, batch: int, context: int):
+    """The decode step a graph of this shape runs, on zeroed static inputs: (step() -> logits
+    [batch, vocab], tokens [batch, 1], positions [batch]). Rows at position 0 with no pages
+    attend to and write the cache's scratch page only."""
+    tokens = torch.zeros(batch, 1, dtype=torch.long, device=model.device)
+    positions = torch.zeros(batch, dtype=torch.long, device=model.device)
+
+    def step():
+        return model(input_ids=tokens, positions=positions[:, None],
+                     step=CacheStep(cache, positions=positions, kv_len=context))[:, -1]
+    return step, tokens, positions
+
+
 class DecodeGraphs:
     def __init__(self, model: Decoder, cache: KVCache, max_batch: int, max_len: int):
         if not (model.device.type == "cuda" and model.dtype == torch.bfloat16):
@@ -48,9 +74,7 @@ class DecodeGraphs:
         # Not torch.compile'd: Inductor's step replayed at 30.5 ms against 6.45 ms plain (64
         # sequences, 1,280 cached tokens, H200; bench/profile_decoder.py --compile).
         self.model, self.cache = model, cache
-        self.batches = buckets(BATCH_BUCKETS, max_batch)
-        self.contexts = buckets(KERNEL_CONTEXT_BUCKETS if cache.kernel == "triton" else CONTEXT_BUCKETS,
-                                max_len)
+        self.batches, self.contexts = batch_buckets(max_batch), context_buckets(cache, max_len)
         self.graphs: dict[tuple[int, int], tuple] = {}
         # Host staging for each step's tokens and positions: pinned, so the copies to the static
         # inputs are asynchronous (the step's only host sync stays the pick of its tokens).
@@ -58,19 +82,13 @@ class DecodeGraphs:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(model.device)  # own cuBLAS workspace (see capture_graph)
-        for key in sorted(itertools.product(self.batches, self.contexts), reverse=True):
-            self.graphs[key] = self._capture(*key, pool, stream)  # largest first: the rest reuse its pool
+        for key in graph_shapes(cache, max_batch, max_len):  # largest first: the rest reuse its pool
+            self.graphs[key] = self._capture(*key, pool, stream)
         log.info("decode graphs: %d captured in %.1f s", len(self.graphs), time.perf_counter() - start)
 
     @torch.inference_mode()
     def _capture(self, batch: int, context: int, pool, stream):
-        tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.model.device)
-        positions = torch.zeros(batch, dtype=torch.long, device=self.model.device)
-
-        def step():
-            return self.model(input_ids=tokens, positions=positions[:, None],
-                              step=CacheStep(self.cache, positions=positions, kv_len=context))[:, -1]
-
+        step, tokens, positions = decode_step(self.model, self.cache, batch, context)
         graph, logits = capture_graph(step, pool, device=self.model.device, stream=stream)
         return graph, tokens, positions, logits
 

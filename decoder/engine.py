@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.triton_compile import compile_ahead
+
 from .kv_cache import KVCache, cache_pages, pages_for
 from .model import CacheStep, Decoder
 from .ngram import NGramConfig, NoRepeatNGram
@@ -158,6 +160,7 @@ class GenerationEngine:
         self.decode_graphs = None
         self.sampler_graphs = None  # pick_tokens per batch bucket, captured with the decode graphs
         self._warmed_prefill = False
+        self.compile_ahead_s = 0.0  # the Triton kernels compiled on threads before capture
         self.special_ids = frozenset(tokenizer.special_ids)
         self.waiting: deque[GenerationRequest] = deque()
         self.running: list[_Sequence] = []
@@ -218,23 +221,36 @@ class GenerationEngine:
     def prepare(self) -> None:
         """Capture the decode graphs if they are on (the first `step` does it otherwise), and on
         CUDA run one page-sized prefill: the prefill kernels' first launch compiles them (Triton:
-        ~2 s on a fresh node, which the first request would otherwise wait)."""
-        if self.use_decode_graphs and self.decode_graphs is None:
-            # Capture before any request holds a slot: warm-up and capture write into the cache.
-            assert not self.running, "decode graphs are captured before the first prefill"
+        ~2 s on a fresh node, which the first request would otherwise wait). Before either, the
+        Triton kernels both meet are compiled on threads at once (common/triton_compile.py)."""
+        capture = self.use_decode_graphs and self.decode_graphs is None
+        warm_prefill = self.model.device.type == "cuda" and not self._warmed_prefill
+        if capture or warm_prefill:
+            # Capture and warm-up write into the cache: before any request holds a slot.
+            assert not self.running, "decode graphs and the warm-up prefill come before the first request"
+            self.compile_ahead_s = compile_ahead(lambda: self._first_forwards(capture, warm_prefill))
+        if capture:
             from .decode_graphs import DecodeGraphs
             self.decode_graphs = DecodeGraphs(self.model, self.cache, self.max_batch, self.max_len)
             self.sampler_graphs = SamplerGraphs(self.decode_graphs.batches,
                                                 self.model.args.vocab_size, self.model.device)
-        if self.model.device.type == "cuda" and not self._warmed_prefill:
-            assert not self.running, "the warm-up prefill runs before the first request"
+        if warm_prefill:
+            self._first_forwards(capture=False, warm_prefill=True)
+            self._warmed_prefill = True
+
+    @torch.inference_mode()
+    def _first_forwards(self, capture: bool, warm_prefill: bool) -> None:
+        """The decode step of every graph shape (`capture`) and one page-sized prefill."""
+        if capture:
+            from .decode_graphs import decode_step, graph_shapes
+            for batch, context in graph_shapes(self.cache, self.max_batch, self.max_len):
+                decode_step(self.model, self.cache, batch, context)[0]()
+        if warm_prefill:
             # 1,024 tokens: past the MoE kernels' prefill rows (triton_moe.PREFILL_ROWS) and a
             # page of RoPE positions per program. Row 0 holds no pages: it writes the scratch page.
             embeds = torch.zeros(1, min(1024, self.max_len), self.model.args.hidden,
                                  device=self.model.device, dtype=self.model.dtype)
-            with torch.inference_mode():
-                self.model(inputs_embeds=embeds, step=CacheStep(self.cache, slot=0), last_only=True)
-            self._warmed_prefill = True
+            self.model(inputs_embeds=embeds, step=CacheStep(self.cache, slot=0), last_only=True)
 
     @torch.inference_mode()
     def step(self) -> list[Delta]:

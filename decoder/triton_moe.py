@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.triton_compile import launch_kernel
+
 
 class Tile(NamedTuple):
     """One kernel's tuning knobs: sorted rows, output columns and reduction step per program,
@@ -140,7 +142,8 @@ def gate_up_silu(x, order, ends, gate_up, top_k: int, tile: Tile | None = None) 
     experts, two_inter, hidden = gate_up.shape
     inter, rows = two_inter // 2, order.numel()
     act = torch.empty(rows, inter, device=x.device, dtype=x.dtype)
-    _gate_up_kernel[(_row_blocks(rows, experts, tile.block_m), triton.cdiv(inter, tile.block_n))](
+    launch_kernel(
+        _gate_up_kernel, (_row_blocks(rows, experts, tile.block_m), triton.cdiv(inter, tile.block_n)),
         x, gate_up, ends, order, act, hidden, inter, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), act.stride(0), **_launch_meta(tile, top_k, experts))
     return act
@@ -155,7 +158,8 @@ def down_combine(act, order, ends, route_weights, down, tokens: int, top_k: int,
         out = torch.zeros(tokens, hidden, device=act.device, dtype=torch.float32)
     else:  # every (token, choice) row is stored: nothing to zero
         out = torch.empty(tokens * top_k, hidden, device=act.device, dtype=torch.float32)
-    _down_kernel[(_row_blocks(order.numel(), experts, tile.block_m), triton.cdiv(hidden, tile.block_n))](
+    launch_kernel(
+        _down_kernel, (_row_blocks(order.numel(), experts, tile.block_m), triton.cdiv(hidden, tile.block_n)),
         act, down, ends, order, route_weights, out, inter, hidden, act.stride(0), down.stride(0),
         down.stride(1), out.stride(0), ATOMIC_ADD=tile.atomic_add, **_launch_meta(tile, top_k, experts))
     return out if tile.atomic_add else out.view(tokens, top_k, hidden).sum(1)

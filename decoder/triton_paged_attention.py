@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.triton_compile import launch_kernel
+
 from .kv_cache import PAGE_TOKENS
 
 # Tuned on an H200 (bench/tune_paged_attention.py; results in bench/results/): tokens per loop
@@ -101,15 +103,15 @@ def paged_decode_attention(q, k_pages, v_pages, table, positions, kv_len: int,
     o_part = torch.empty(s, h, n_splits, d, device=q.device, dtype=torch.float32)
     ml_part = torch.empty(s, h, n_splits, 2, device=q.device, dtype=torch.float32)
     out = torch.empty(s, h, d, device=q.device, dtype=q.dtype)
-    _split_kernel[(s, h, n_splits)](
-        q, k_pages, v_pages, table, positions, o_part, ml_part,
+    launch_kernel(
+        _split_kernel, (s, h, n_splits), q, k_pages, v_pages, table, positions, o_part, ml_part,
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         ml_part.stride(0), ml_part.stride(1), ml_part.stride(2),
         1.0 / math.sqrt(d), split_tokens, HEAD_DIM=d, PAGE=PAGE_TOKENS, BLOCK=block_t,
         num_warps=num_warps, num_stages=num_stages)
-    _combine_kernel[(s, h)](
-        o_part, ml_part, positions, out, n_splits, split_tokens,
+    launch_kernel(
+        _combine_kernel, (s, h), o_part, ml_part, positions, out, n_splits, split_tokens,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         ml_part.stride(0), ml_part.stride(1), ml_part.stride(2), out.stride(0), out.stride(1),
         HEAD_DIM=d, SPLITS=triton.next_power_of_2(n_splits), num_warps=4)

@@ -45,11 +45,13 @@ class DecoderServer:
         self.engine = AsyncEngine(GenerationEngine(model, tokenizer, config.max_batch, config.max_len,
                                                    decode_graphs=config.use_graphs,
                                                    kv_cache_gb=config.kv_cache_gb))
-        # "graphs": the KV cache's allocation and the decode and sampler graphs' capture.
+        # "graphs": the KV cache's allocation and the decode and sampler graphs' capture, of
+        # which "graphs_compile_ahead" compiling their Triton kernels on threads first.
         self.startup_s = startup_phases(constructor_start, cuda=cuda, weights=weights,
                                         **{f"weights_{k}": v for k, v in reads.items() if k != "gb"},
                                         tokenizer=loaded - start - weights,
-                                        graphs=time.perf_counter() - loaded)
+                                        graphs=time.perf_counter() - loaded,
+                                        graphs_compile_ahead=self.engine.engine.compile_ahead_s)
         self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)
 
     def stats(self) -> dict:

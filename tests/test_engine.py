@@ -529,6 +529,45 @@ def test_a_prefill_out_of_gpu_memory_is_retried_in_smaller_groups(model, tokeniz
     assert engine.cache.free_pages == engine.cache.num_pages
 
 
+def test_first_forwards_write_only_the_scratch_page(model, tokenizer):
+    """What `prepare()` runs before capture (compiling the Triton kernels ahead, so on garbage
+    where no kernel ran): the decode step of every graph shape and the warm-up prefill. Their
+    rows hold no pages, so they may write the cache's scratch page (0) and nothing else."""
+    from decoder.decode_graphs import graph_shapes
+    engine = GenerationEngine(model, tokenizer, max_batch=8, max_len=1024)
+    assert len(graph_shapes(engine.cache, 8, 1024)) == 4 * 3  # batches 1-8, contexts 512-1024
+    gen = torch.Generator().manual_seed(0)
+    for cache in (engine.cache.k, engine.cache.v):
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+    before = engine.cache.k.clone(), engine.cache.v.clone()
+    engine._first_forwards(capture=True, warm_prefill=True)
+    for cache, kept in zip((engine.cache.k, engine.cache.v), before):
+        assert torch.equal(cache[:, 1:], kept[:, 1:])
+        assert not torch.equal(cache[:, :1], kept[:, :1])  # the forwards did reach the cache
+
+
+@pytest.mark.gpu
+def test_compile_ahead_leaves_generations_unchanged(monkeypatch):
+    """Decode graphs captured after compiling the kernels ahead (on garbage) generate the same
+    tokens as with the switch off (DEEPSEEK_OCR_COMPILE_AHEAD=0: each kernel compiled at its
+    first launch), bit for bit: the same kernels, and nothing of the garbage run left behind."""
+    from decoder.checkpoint import random_decoder
+    from decoder.config import DecoderArgs
+    model = random_decoder(DecoderArgs(), device="cuda", dtype=torch.bfloat16)
+    tokenizer = ByteTokenizer()
+    prompts = ["first page", "a second, longer prompt " * 8, "3", "table <td>x</td>" * 20]
+    runs = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("DEEPSEEK_OCR_COMPILE_AHEAD", switch)
+        engine = GenerationEngine(model, tokenizer, max_batch=4, max_len=1024, decode_graphs=True)
+        runs[switch] = [d.token_ids for d in engine.generate(
+            [GenerationRequest([0] + tokenizer.encode(p), params=SamplingParams(max_tokens=32))
+             for p in prompts])]
+        print(f"compile ahead {switch}: {engine.compile_ahead_s:.2f} s")
+        assert (engine.compile_ahead_s > 0) == (switch == "1")
+    assert runs["1"] == runs["0"]
+
+
 @pytest.mark.gpu
 def test_no_request_waits_on_a_kernel_compile_after_prepare():
     """After `prepare()` (decode graphs and the warm-up prefill), prefills of any length and any
