@@ -1,5 +1,6 @@
-"""Why does a page's PNG decode take ~10 ms in a replica and ~5.5 ms in the bench's process?
-The same decode (`decode_header` of the e2e bench's text page) timed in this process and in a Ray
+"""Is a page's PNG decode slower in a replica (~10 ms in serve_bench's encoder stages) than in
+the bench's process? (On a fresh H200 machine: no, 9.06 ms in process, 8.28 with pages 30 ms
+apart.) The same decode (`decode_header` of the e2e bench's text page) timed in this process and in a Ray
 actor like a replica (the replicas' allocator settings; on its main thread and on a worker
 thread, back to back and 30 ms apart as single pages arrive; before and after CUDA is
 initialised there when there is a GPU).
