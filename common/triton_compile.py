@@ -3,8 +3,9 @@
 A replica's first forward compiles each Triton kernel specialisation it meets, one after the
 other, when it is first launched: 13 in an encoder path's first capture, ~8.6 s of a fresh node's
 start-up (startup-profile-2026-12-03.txt; the same phase takes 2.8-4.6 s with a warm Triton
-cache); the decoder's MoE, paged-attention and RoPE kernels likewise before its decode graphs. Triton compiles on threads in parallel (its passes release the GIL: 12 kernels took 3.9 s
-one after the other and 1.2 s on 12 threads on the H200 machine). `compile_ahead(forward)` runs
+cache); the decoder's MoE, paged-attention and RoPE kernels likewise before its decode graphs.
+Triton compiles on threads in parallel (its passes release the GIL: 12 kernels took 3.9 s one
+after the other and 1.2 s on 12 threads on the H200 machine). `compile_ahead(forward)` runs
 the forward once with every launch made through `launch_kernel` only compiled, in Triton's async
 compile mode on a thread pool; the kernels then wait in Triton's in-memory cache for the real
 first launch. Outputs of that one forward are garbage (no kernel ran): it is for compiling only.

@@ -78,7 +78,8 @@ def rope_and_write_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     block_t = min(PAGE_TOKENS, max(16, triton.next_power_of_2(t)))  # a decode step: t = 1
     blocks_per_row = triton.cdiv(t, block_t)
     launch_kernel(
-        _rope_cache_kernel, (b * blocks_per_row, n_heads), qkv, cos, sin, table_rows if start is None else start, qk, k_cache, v_cache, table_rows, t,
+        _rope_cache_kernel, (b * blocks_per_row, n_heads),
+        qkv, cos, sin, table_rows if start is None else start, qk, k_cache, v_cache, table_rows, t,
         blocks_per_row, qkv.stride(1), qk.stride(1), cos.stride(1), k_cache.stride(0),
         k_cache.stride(1), table_rows.stride(0), N_HEADS=n_heads, D=d, PAGE=PAGE_TOKENS,
         BLOCK_T=block_t, HAS_START=start is not None)
