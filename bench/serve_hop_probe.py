@@ -8,7 +8,8 @@ sequence in the app's wire format (an int16 [913, 1280] array, bf16 bits): a Ray
 (no Serve), one Serve call, and two chained Serve calls (driver -> Middle -> Leaf, Middle
 awaiting Leaf and returning its array, as the router returns the encoder's sequence). And
 the array by reference: Leaf puts it in the object store and returns the ObjectRef, which
-Middle passes on untouched and this driver reads with ray.get.
+Middle passes on untouched and this driver reads with ray.get; and the sequence as a bf16
+torch tensor, as `Router.encode` returns it (Ray pickles torch tensors the slow way).
 
     python bench/serve_hop_probe.py [--out bench/results]   # needs ray[serve]; no GPU needed
 
@@ -46,6 +47,10 @@ class Leaf:
     async def page_by_reference(self, payload: bytes) -> tuple:
         import ray
         return ray.put(self.sequence), "bfloat16"
+
+    async def page_as_torch(self, payload: bytes):
+        import torch
+        return torch.from_numpy(self.sequence).view(torch.bfloat16)  # as Router.encode returns it
 
 
 class Middle:
@@ -93,6 +98,7 @@ def main(argv=None):
     rows["serve_one_call_page"] = p50_ms(lambda: leaf_handle.page.remote(payload).result())
     rows["serve_two_calls_small"] = p50_ms(lambda: handle.small.remote(payload).result())
     rows["serve_two_calls_page"] = p50_ms(lambda: handle.page.remote(payload).result())
+    rows["serve_one_call_page_as_torch"] = p50_ms(lambda: leaf_handle.page_as_torch.remote(payload).result())
     rows["serve_one_call_page_by_reference"] = p50_ms(
         lambda: ray.get(leaf_handle.page_by_reference.remote(payload).result()[0]))
     rows["serve_two_calls_page_by_reference"] = p50_ms(
