@@ -9,7 +9,8 @@ sequence in the app's wire format (an int16 [913, 1280] array, bf16 bits): a Ray
 awaiting Leaf and returning its array, as the router returns the encoder's sequence). And
 the array by reference: Leaf puts it in the object store and returns the ObjectRef, which
 Middle passes on untouched and this driver reads with ray.get; and the sequence as a bf16
-torch tensor, as `Router.encode` returns it (Ray pickles torch tensors the slow way).
+torch tensor, as `Router.encode` returns it: with Ray's default torch pickling, and from a
+process that sends tensors as raw bytes (`send_tensors_out_of_band`, as every Router does).
 
     python bench/serve_hop_probe.py [--out bench/results]   # needs ray[serve]; no GPU needed
 
@@ -53,6 +54,15 @@ class Leaf:
         return torch.from_numpy(self.sequence).view(torch.bfloat16)  # as Router.encode returns it
 
 
+class LeafOutOfBand(Leaf):
+    """Leaf in a process that sends torch tensors as raw bytes, as every Router does."""
+
+    def __init__(self):
+        super().__init__()
+        from deployments.protocol import send_tensors_out_of_band
+        send_tensors_out_of_band()
+
+
 class Middle:
     def __init__(self, leaf):
         self.leaf = leaf
@@ -84,7 +94,9 @@ def main(argv=None):
     opts = parser.parse_args(argv)
     import ray
     from ray import serve
-    ray.init(include_dashboard=False, log_to_driver=False)
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    ray.init(include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": root}})  # the replicas import deployments
     payload = os.urandom(REQUEST_BYTES)
     rows = {}
     actor = ray.remote(num_cpus=0)(Leaf).remote()
@@ -99,6 +111,10 @@ def main(argv=None):
     rows["serve_two_calls_small"] = p50_ms(lambda: handle.small.remote(payload).result())
     rows["serve_two_calls_page"] = p50_ms(lambda: handle.page.remote(payload).result())
     rows["serve_one_call_page_as_torch"] = p50_ms(lambda: leaf_handle.page_as_torch.remote(payload).result())
+    out_of_band = serve.run(serve.deployment(LeafOutOfBand, ray_actor_options={"num_cpus": 0}).bind(),
+                            name="hops-out-of-band", route_prefix=None)
+    rows["serve_one_call_page_as_torch_out_of_band"] = p50_ms(
+        lambda: out_of_band.page_as_torch.remote(payload).result())
     rows["serve_one_call_page_by_reference"] = p50_ms(
         lambda: ray.get(leaf_handle.page_by_reference.remote(payload).result()[0]))
     rows["serve_two_calls_page_by_reference"] = p50_ms(
@@ -106,7 +122,7 @@ def main(argv=None):
     serve.shutdown()
     ray.shutdown()
     for name, ms in rows.items():
-        print(f"{name:>34}: {ms:7.3f} ms", flush=True)
+        print(f"{name:>42}: {ms:7.3f} ms", flush=True)
     write_result(opts.out, "serve-hops", {
         "benchmark": "bare Serve and Ray calls, one at a time (no app code)",
         "date": datetime.date.today().isoformat(),
