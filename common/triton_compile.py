@@ -33,6 +33,11 @@ def launch_kernel(kernel, grid, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
 
 
+def compiling_only() -> bool:
+    """Whether this thread is inside `compile_ahead` (kernels launched now do not run)."""
+    return _compile_only.get()
+
+
 def enabled() -> bool:
     return os.environ.get("DEEPSEEK_OCR_COMPILE_AHEAD", "1") != "0"
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import EncoderArgs
+from .derived import derived_table
 from .preprocess import normalize
 from .relpos_attention import (default_impl, relpos_attention, triton_enabled, windowed_relpos_attention,
                                windows_in_kernel)
@@ -226,8 +227,10 @@ class Sam(nn.Module):
 
     def forward(self, x):
         x = self.patch_embed(x)  # [B, g, g, C]
-        pos = interpolate_grid(self.pos_embed.permute(0, 3, 1, 2), x.shape[1])
-        x = x + pos.permute(0, 2, 3, 1)
+        g = x.shape[1]
+        pos = derived_table(self.pos_embed, (g,), lambda: interpolate_grid(
+            self.pos_embed.permute(0, 3, 1, 2), g).permute(0, 2, 3, 1))
+        x = x + pos
         for block in self.blocks:
             x = block(x)
         x = self.neck(x.permute(0, 3, 1, 2))
@@ -249,10 +252,15 @@ class ClipEmbeddings(nn.Module):
         x = features.flatten(2).transpose(1, 2)  # [B, g*g, C]
         x = torch.cat([self.class_embedding.to(x.dtype).expand(bsz, 1, c), x], dim=1)
         table = self.position_embedding.weight  # [1 + G*G, C]: CLS row, then the G x G grid
-        side = math.isqrt(table.shape[0] - 1)
+        return x + derived_table(table, (g,), lambda: self._positions(table, g))
+
+    @staticmethod
+    def _positions(table: torch.Tensor, g: int) -> torch.Tensor:
+        """[1 + g*g, C]: the CLS row, then the position grid resized to g x g."""
+        side, c = math.isqrt(table.shape[0] - 1), table.shape[1]
         grid = table[1:].reshape(1, side, side, c).permute(0, 3, 1, 2)
         grid = interpolate_grid(grid, g).permute(0, 2, 3, 1).reshape(g * g, c)
-        return x + torch.cat([table[:1], grid], dim=0)
+        return torch.cat([table[:1], grid], dim=0)
 
 
 class ClipAttention(nn.Module):

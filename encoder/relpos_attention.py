@@ -27,6 +27,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .derived import derived_table
+
 IMPLS = ("fused", "augmented", "dense")  # fused = Triton where supported, else augmented
 
 
@@ -50,6 +52,11 @@ def rel_table(size: int, rel_pos: torch.Tensor) -> torch.Tensor:
     return rel_pos
 
 
+def rel_table_as(size: int, rel_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`rel_table` in `dtype`, made once per size (`derived_table`): what the kernels read."""
+    return derived_table(rel_pos, (size, dtype), lambda: rel_table(size, rel_pos).to(dtype))
+
+
 def get_rel_pos(size: int, rel_pos: torch.Tensor) -> torch.Tensor:
     """Relative-position table [size(q), size(k), C] for a query/key axis of `size` positions."""
     return rel_table(size, rel_pos)[_relative_index(size, rel_pos.device)]
@@ -57,9 +64,11 @@ def get_rel_pos(size: int, rel_pos: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _relative_index(size: int, device: torch.device) -> torch.Tensor:
-    """[size, size] table of qi - ki + size - 1 (cached: eager runs are launch-bound)."""
-    idx = torch.arange(size, device=device)
-    return idx[:, None] - idx[None, :] + (size - 1)
+    """[size, size] table of qi - ki + size - 1 (cached: eager runs are launch-bound). A normal
+    tensor even when first made under inference mode, so that later autograd can use it."""
+    with torch.inference_mode(False):
+        idx = torch.arange(size, device=device)
+        return idx[:, None] - idx[None, :] + (size - 1)
 
 
 def rel_pos_terms(q, rel_pos_h, rel_pos_w, hw: tuple[int, int]):
@@ -153,8 +162,8 @@ def windowed_relpos_attention(q, k, v, rel_pos_h, rel_pos_w, side: int, grid: tu
     n, c = q.shape[1], q.shape[3]
     bias = (q.new_zeros(3, n, c) if qkv_bias is None else qkv_bias.to(q.dtype).view(3, n, c))
     windows = kernels.Windows(side, grid, bias[1], bias[2])
-    return kernels.windowed_attention(q, k, v, rel_table(side, rel_pos_h).to(q.dtype),
-                                      rel_table(side, rel_pos_w).to(q.dtype), windows)
+    return kernels.windowed_attention(q, k, v, rel_table_as(side, rel_pos_h, q.dtype),
+                                      rel_table_as(side, rel_pos_w, q.dtype), windows)
 
 
 def augmented_relpos_attention(q, k, v, rel_h, rel_w):
@@ -179,8 +188,8 @@ def relpos_attention(q, k, v, rel_pos_h, rel_pos_w, hw: tuple[int, int], impl: s
         # Both terms from one Triton kernel reading q where the projection left it: the
         # einsums copy the strided q twice and permute their outputs (~15% of a global view's
         # time in copies). Under torch.compile the einsums stay (Inductor fuses them).
-        return _triton().attention(q, k, v, rel_table(hw[0], rel_pos_h).to(q.dtype),
-                                   rel_table(hw[1], rel_pos_w).to(q.dtype), hw)
+        return _triton().attention(q, k, v, rel_table_as(hw[0], rel_pos_h, q.dtype),
+                                   rel_table_as(hw[1], rel_pos_w, q.dtype), hw)
     rel_h, rel_w = rel_pos_terms(q, rel_pos_h, rel_pos_w, hw)
     if impl == "fused":
         return fused_relpos_attention(q, k, v, rel_h, rel_w)

@@ -134,3 +134,55 @@ def test_linear_gelu_epilogue_branch_keeps_shapes_and_values(monkeypatch):
         forced = model.linear_gelu(lin, x)
     assert forced.shape == (2, 5, 48)
     torch.testing.assert_close(forced, F.gelu(lin(x), approximate="tanh"), rtol=0, atol=1e-3)
+
+
+def _position_weights(encoder):
+    """The weights the derived tables come from: SAM's position grid, CLIP's position table and
+    the relative-position tables of SAM's first global-attention block."""
+    attn = encoder.sam_model.blocks[encoder.args.sam_global_blocks[0]].attn
+    return [encoder.sam_model.pos_embed, encoder.vision_model.embeddings.position_embedding.weight,
+            attn.rel_pos_h, attn.rel_pos_w]
+
+
+def test_derived_tables_are_made_once_and_equal_to_making_them_each_forward(tiny_checkpoint, monkeypatch):
+    from encoder import derived, load_encoder
+    encoder = load_encoder(tiny_checkpoint)  # its own: the tables are kept on its weights
+    views, crops = pixels(1, 1024), pixels(2, 640, seed=1)
+
+    def both_paths():
+        with torch.inference_mode():
+            return encoder.forward_global(views), encoder.forward_local(crops)
+    monkeypatch.setattr(derived, "ENABLED", False)
+    reference = both_paths()
+    assert all("_derived_tables" not in w.__dict__ for w in _position_weights(encoder))
+    monkeypatch.setattr(derived, "ENABLED", True)
+    first, second = both_paths(), both_paths()
+    sam_grid, clip_grid = encoder.args.sam_pos_grid, encoder.args.clip_pos_grid
+    pos_tables = _position_weights(encoder)[0].__dict__["_derived_tables"]
+    assert set(pos_tables) == {(64,), (40,)}  # a global view's grid and a crop's
+    assert sam_grid == 64 and clip_grid == 16
+    kept = {key: table for key, (_, table) in pos_tables.items()}
+    both_paths()
+    assert all(pos_tables[key][1] is table for key, table in kept.items())  # not made again
+    for made_each_time, once, again in zip(reference, first, second):
+        assert torch.equal(made_each_time, once) and torch.equal(made_each_time, again)
+
+    # An in-place update of a weight (its version bumps) remakes its tables.
+    with torch.no_grad():
+        for weight in _position_weights(encoder):
+            weight.add_(0.25)
+    updated = both_paths()
+    monkeypatch.setattr(derived, "ENABLED", False)
+    expected = both_paths()
+    for new, old, want in zip(updated, first, expected):
+        assert torch.equal(new, want) and not torch.equal(new, old)
+
+
+def test_derived_tables_are_not_kept_where_autograd_records(tiny_checkpoint):
+    from encoder import load_encoder
+    encoder = load_encoder(tiny_checkpoint).requires_grad_(True)
+    with torch.no_grad():
+        encoder.forward_local(pixels(1, 640))  # keeps the tables, made outside autograd
+    encoder.forward_local(pixels(1, 640)).float().square().sum().backward()
+    for weight in _position_weights(encoder):
+        assert weight.grad is not None and weight.grad.abs().sum() > 0
