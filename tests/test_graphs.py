@@ -288,6 +288,43 @@ def test_overlapped_paths_equal_one_stream(cuda_engine):
 
 
 @pytest.mark.gpu
+def test_host_views_through_pinned_memory_equal_copies_from_where_they_are(cuda_engine, monkeypatch):
+    """Pages' host views staged through pinned memory (PIN_HOST_VIEWS; a DMA the next page's
+    staging must not overwrite while it runs: pages go in back to back, no sync between them)
+    against the twin, each copied from where it is."""
+    from encoder import graphs
+    pages = [preprocess(image(w, h, 70 + i)) for i, (w, h) in enumerate(PAGES[:4])]
+    pinned = [cuda_engine.encode([page])[0] for page in pages]
+    monkeypatch.setattr(graphs, "PIN_HOST_VIEWS", False)
+    for got, page in zip(pinned, pages):
+        assert torch.equal(got, cuda_engine.encode([page])[0])
+
+
+@pytest.mark.gpu
+def test_graphs_with_derived_tables_kept_equal_graphs_making_them(cuda_engine, monkeypatch):
+    """The graphs read SAM's and CLIP's resized position tables kept from their warm-ups
+    (`encoder.derived`); the twin's graphs make them in every replay."""
+    from encoder import derived
+    monkeypatch.setattr(derived, "ENABLED", False)
+    making = DualPathEncoder(cuda_engine.encoder, (PathBudgets.geometric("global", 272, 4),
+                                                   PathBudgets.geometric("local", 100, 6)), max_images=4)
+    items = [preprocess(image(1191, 1684, 80)), preprocess(image(896, 896, 81))]
+    kept = cuda_engine.encode(items)
+    for got, want in zip(kept, making.encode(items)):
+        assert torch.equal(got, want)
+    # The graphs read the kept tables: spoil one (a crop's SAM positions), the crops change.
+    table = cuda_engine.encoder.sam_model.pos_embed.__dict__["_derived_tables"][(40,)][1]
+    with torch.inference_mode():  # the table was made in the engine's inference mode
+        saved = table.clone()
+        try:
+            table.zero_()
+            spoiled = cuda_engine.encode(items[:1])[0]
+        finally:
+            table.copy_(saved)
+    assert not torch.equal(spoiled, kept[0])
+
+
+@pytest.mark.gpu
 def test_health_probe_replays_without_touching_results_or_stats(cuda_engine):
     items = [preprocess(image(1191, 1684, 50))]
     (before,) = cuda_engine.encode(items)
