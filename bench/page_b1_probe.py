@@ -5,6 +5,10 @@ Two launch schemes the engine does not use, measured against its own: `threaded`
 graph launched from a second thread while this one launches the global graph: a graph's
 launch holds its thread ~2 ms, which now sits before the global path starts) and `joint` (one
 graph capturing both paths' forwards on two forked streams: one launch for the page).
+And two changes the engine could make, measured on its own call: `priority` (the call made on a
+high-priority stream, so the local path, the longer one, takes the SMs first and the global
+path, on the engine's side stream of default priority, fills what it leaves) and `pinned` (the
+host views in page-locked memory: their copy is a DMA that does not hold the launching thread).
 
     python bench/page_b1_probe.py [--out bench/results] [--iters 30]
 
@@ -22,16 +26,17 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import options, wall_ms, write_result  # noqa: E402
+from bench.e2e_bench import page_png  # noqa: E402
 from bench.graph_bench import image  # noqa: E402
 from common.cuda_graphs import capture_graph  # noqa: E402
-from encoder import DualPathEncoder, EncoderArgs, preprocess  # noqa: E402
+from encoder import DualPathEncoder, EncoderArgs, decode, preprocess, views_of  # noqa: E402
 from encoder.checkpoint import random_encoder  # noqa: E402
 from encoder.graphs import PathTokens  # noqa: E402
 
 
-def stream_timeline(fn) -> dict:
-    """Per CUDA stream and kind (kernel, memcpy, memset): first start and last end in ms after
-    the call's first GPU event, busy ms (the events' durations summed) and the event count."""
+def gpu_events(fn) -> list[dict]:
+    """The kernels, copies and memsets of one call of `fn` (after one unprofiled call), as the
+    profiler's chrome trace has them."""
     import json
     import tempfile
 
@@ -44,7 +49,25 @@ def stream_timeline(fn) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))
-    events = [e for e in trace["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    return [e for e in trace["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def kernel_table(fn, top: int = 25) -> dict:
+    """One call's kernels grouped by name (the first 60 characters): total ms and count, the
+    `top` largest first."""
+    table: dict = {}
+    for e in gpu_events(fn):
+        row = table.setdefault(e["name"][:60], {"ms": 0.0, "n": 0})
+        row["ms"] += e["dur"] / 1e3
+        row["n"] += 1
+    ranked = sorted(table.items(), key=lambda kv: -kv[1]["ms"])[:top]
+    return {name: {"ms": round(row["ms"], 3), "n": row["n"]} for name, row in ranked}
+
+
+def stream_timeline(fn) -> dict:
+    """Per CUDA stream and kind (kernel, memcpy, memset): first start and last end in ms after
+    the call's first GPU event, busy ms (the events' durations summed) and the event count."""
+    events = gpu_events(fn)
     if not events:
         return {}
     t0 = min(e["ts"] for e in events)
@@ -133,6 +156,8 @@ def main(argv=None):
             engine.overlap_paths = True
             rows[f"{name}_global_only"] = wall_ms(lambda: engine.run([item.global_view], [None]), opts.iters)
             rows[f"{name}_local_only"] = wall_ms(lambda: engine.run([None], [item.crops]), opts.iters)
+        kernels = {"local_only": kernel_table(lambda: engine.run([None], [gpu.crops])),
+                   "global_only": kernel_table(lambda: engine.run([gpu.global_view], [None]))}
         timeline = {name: stream_timeline(both(item))
                     for name, item in (("host_views", host), ("gpu_views", gpu))}
         reference = both(gpu)()[0]
@@ -142,6 +167,27 @@ def main(argv=None):
         timeline["gpu_views_threaded"] = stream_timeline(both(gpu))
         rows["threaded_equal"] = equal(both(gpu)()[0], reference)
         del engine._run_both
+        high = torch.cuda.Stream(priority=-5)  # clamped to the device's highest priority
+
+        def on_high(fn):
+            def call():
+                with torch.cuda.stream(high):
+                    return fn()
+            return call
+        pinned = dataclasses.replace(host, global_view=host.global_view.pin_memory(),
+                                     crops=host.crops.pin_memory())
+        for name, item in (("host_views", host), ("gpu_views", gpu), ("pinned_views", pinned)):
+            rows[f"{name}_priority"] = wall_ms(on_high(lambda: engine.encode([item])), opts.iters)
+        rows["pinned_views_encode"] = wall_ms(lambda: engine.encode([pinned]), opts.iters)
+        timeline["gpu_views_priority"] = stream_timeline(on_high(both(gpu)))
+        timeline["pinned_views_priority"] = stream_timeline(on_high(both(pinned)))
+        rows["priority_equal"] = equal(on_high(both(gpu))()[0], reference)
+        rows["pinned_equal"] = equal(both(pinned)()[0], reference)
+        # The replica's views: decoded pixels copied to the GPU and resized there (views_of).
+        decoded = decode(page_png(3))
+        decoded_pinned = dataclasses.replace(decoded, pixels=decoded.pixels.pin_memory())
+        for name, item in (("decoded", decoded), ("decoded_pinned", decoded_pinned)):
+            rows[f"views_of_{name}"] = wall_ms(lambda: views_of(item, "cuda", exact=True), opts.iters)
         joint, outputs = joint_graph(engine, gpu)
         for name, item in (("host_views", host), ("gpu_views", gpu)):
             rows[f"{name}_joint"] = wall_ms(lambda: joint(item), opts.iters)
@@ -150,6 +196,9 @@ def main(argv=None):
         rows["joint_equal"] = equal(PathTokens(outputs[0][0], outputs[1]), reference)
     for k, v in rows.items():
         print(f"{k:>28}: {v:6.2f} ms" if isinstance(v, float) else f"{k:>28}: {v}", flush=True)
+    for path, table in kernels.items():
+        for name, row in table.items():
+            print(f"{path} {row['ms']:7.3f} ms {row['n']:4d}x {name}", flush=True)
     for name, streams in timeline.items():
         for stream, row in streams.items():
             print(f"{name} {stream}: {row}", flush=True)
@@ -157,7 +206,7 @@ def main(argv=None):
         "benchmark": "one 2x3 page at batch 1, where the time goes",
         "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "timing": f"wall clock per call with CUDA sync, median of {opts.iters}",
-        "summary": rows, "stream_timeline_ms": timeline})
+        "summary": rows, "stream_timeline_ms": timeline, "kernels_ms": kernels})
 
 
 if __name__ == "__main__":
