@@ -178,15 +178,27 @@ def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int,
 def hops(row: dict) -> dict:
     """One page's time outside the stages the replicas time (one page at a time): between this
     driver and the router (p50 less the router's own stages), and between the router and the
-    encoders (the router's encode stage less the slower encoder's own stages)."""
+    encoders (the router's encode stage less the slower encoder's own stages). Split further
+    by each handler's whole time (entry to return): Serve's two calls (`serve_call_*`: p50
+    less the router's handler; the router's encode stage less the slower encoder's handler),
+    and inside each handler the time outside its stages (`*_unstaged_ms`: option parsing,
+    hand-offs between the event loop and its threads)."""
     router = row["router_stages_p50_ms_one_at_a_time"]
+    encoders = row["encoder_stages_p50_ms_one_at_a_time"]
     inside = {name: sum(st.get(k) or 0.0 for k in ("decode_ms", "wait_ms", "batch_views_ms", "run_ms",
                                                    "results_ms"))
-              for name, st in row["encoder_stages_p50_ms_one_at_a_time"].items()}
+              for name, st in encoders.items()}
+    handler = {name: st.get("handler_ms") or 0.0 for name, st in encoders.items()}
+    slowest = max(encoders, key=lambda name: handler[name])
     p50 = statistics.median(r["p50_ms"] for r in row["reps"])
     return {"driver_router_ms": p50 - router["preprocess_ms"] - router["total_ms"],
             "router_encoder_ms": router["encode_ms"] - max(inside.values()),
-            "encoder_inside_ms": inside}
+            "encoder_inside_ms": inside,
+            "serve_call_router_ms": p50 - router["handler_ms"],
+            "router_unstaged_ms": router["handler_ms"] - router["preprocess_ms"] - router["total_ms"],
+            "serve_call_encoder_ms": router["encode_ms"] - handler[slowest],
+            "encoder_handler_ms": handler,
+            "encoder_unstaged_ms": {name: handler[name] - inside[name] for name in encoders}}
 
 
 def ratios(serve_reps: list[dict], local_reps: list[dict]) -> dict:

@@ -134,6 +134,7 @@ class PathEncoder:
         self.batches = BatchQueue(self.encode_batch, self.runners[0].budgets.max_units, _views)
         self.request_batches: Counter = Counter()  # requests per executed batch
         self.recent: deque[dict] = deque(maxlen=1000)  # per-batch stage timings
+        self.handled: deque[float] = deque(maxlen=1000)  # per request: encode's entry to return, ms
         self.broken: str | None = None
         self.busy_since: float | None = None  # when the batch on the worker thread started
         self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)
@@ -167,7 +168,7 @@ class PathEncoder:
         the views, on its device (`encoder.preprocess`).
         Encoder (one_encoder; `view` = ("both", mode, grid)): an image -> its whole sequence
         [num_tokens, D], assembled here (crops' grid with newlines, global view, separator)."""
-        decode_ms = 0.0
+        entered, decode_ms = time.perf_counter(), 0.0
         if isinstance(pixels, ImageHeader):
             if view is None:
                 raise ValueError("an image's bytes need a view (path, mode, grid) to make")
@@ -181,7 +182,9 @@ class PathEncoder:
             if self.views_on_arrival:
                 request.views = await asyncio.get_running_loop().run_in_executor(
                     self.views_worker, self._views_of, pixels, view)
-        return await self.batches.submit(request)
+        result = await self.batches.submit(request)
+        self.handled.append((time.perf_counter() - entered) * 1e3)
+        return result
 
     async def encode_batch(self, requests: list[Request]) -> list[Wire]:
         return await asyncio.get_running_loop().run_in_executor(self.worker, self._run_batch, requests)
@@ -297,9 +300,12 @@ class PathEncoder:
         a request's wait from arrival (decoded) to its batch's start (the median request of
         each batch), making one request's views, the batch's time making views (none when made
         on arrival), the engine's run (on a GPU, queuing the work) and the results copied off
-        the device (on a GPU, until the work is done)."""
+        the device (on a GPU, until the work is done); and over the last 1,000 requests,
+        `encode`'s whole time from its entry to its return (`handler_ms`: the stages and the
+        hand-offs between its threads; what Serve's call adds is outside it)."""
         keys = ("decode_ms", "wait_ms", "views_ms", "batch_views_ms", "run_ms", "results_ms")
-        return {"batches": len(self.recent), **medians(self.recent, keys)}
+        return {"batches": len(self.recent), **medians(self.recent, keys),
+                "handler_ms": statistics.median(self.handled) if self.handled else None}
 
     def ready(self) -> dict:
         """Answers once the constructor (weights, graph capture) has finished."""
