@@ -34,9 +34,10 @@ case "${1:?phase: encoder, kernels, decoder, tune-moe, compile, serve, e2e, e2e-
   encoder)
     if [ -f .devpkgs/ray-site.tar.xz ] && [ -d .whl ]; then ray_bundle; fi  # the deployment test needs Ray
     python3 -m pytest -q -rs -m gpu tests/test_checkpoint.py tests/test_resize.py tests/test_graphs.py tests/test_attention.py \
-      tests/test_engine.py tests/test_decoder_model.py tests/test_sampling.py 2>&1 | tee "$out/gpu-tests.txt" | tail -5 \
-      || echo "GPU TESTS FAILED (see gpu-tests.txt)"
+      tests/test_model.py tests/test_engine.py tests/test_decoder_model.py tests/test_sampling.py 2>&1 \
+      | tee "$out/gpu-tests.txt" | tail -5 || echo "GPU TESTS FAILED (see gpu-tests.txt)"
     python3 bench/graph_bench.py --out "$out" 2>&1 | tail -30
+    python3 bench/page_b1_probe.py --out "$out" 2>&1 | grep -v " stream " | tail -30  # one page, where the time goes
     ;;
   kernels)  # the encoder's kernel choices measured, the tuned tiles written, then graph_bench and GPU tests
     python3 bench/mlp_epilogue_bench.py --out "$out" 2>&1 | tail -5
