@@ -4,7 +4,8 @@ overlapped or on one stream, each path alone; and a kernel timeline per CUDA str
 Two launch schemes the engine does not use, measured against its own: `threaded` (the local
 graph launched from a second thread while this one launches the global graph: a graph's
 launch holds its thread ~2 ms, which now sits before the global path starts) and `joint` (one
-graph capturing both paths' forwards on two forked streams: one launch for the page).
+graph capturing both paths' forwards on two forked streams: one launch for the page; also with
+each path's copy of its host views from a pinned buffer inside its own branch, `joint_staged`).
 And two changes the engine could make, measured on its own call: `priority` (the call made on a
 high-priority stream, so the local path, the longer one, takes the SMs first and the global
 path, on the engine's side stream of default priority, fills what it leaves) and `pinned` (the
@@ -111,27 +112,44 @@ def launch_local_on_a_thread(engine) -> None:
     engine._run_both = run_both
 
 
-def joint_graph(engine, item):
+def joint_graph(engine, item, staged: bool = False):
     """One CUDA graph of a batch-1 page: the local path's forward on the capture stream and the
     global path's on a forked side stream, joined at the end. Returns (call(item): stage the
-    item's views into the graph's inputs and replay, the graph's outputs)."""
-    global_in = item.global_view[None].clone()
-    crops_in = item.crops.clone()
+    item's views into the graph's inputs and replay, the graph's outputs). `staged`: the graph
+    also holds each path's copy of its views from a pinned host buffer, at the head of its own
+    branch (the call copies host views into those buffers on torch's CPU threads), so the
+    global path's copy and kernels need not wait for the crops' copy."""
+    global_in = item.global_view[None].cuda().clone()
+    crops_in = item.crops.cuda().clone()
+    if staged:
+        pinned_global = torch.empty(global_in.shape, dtype=torch.uint8, pin_memory=True)
+        pinned_crops = torch.empty(crops_in.shape, dtype=torch.uint8, pin_memory=True)
     side = torch.cuda.Stream()
 
     def forward():
         current = torch.cuda.current_stream()
         side.wait_stream(current)
+        if staged:
+            crops_in.copy_(pinned_crops, non_blocking=True)
         crop_tokens = engine.local_path.forward(crops_in)
         with torch.cuda.stream(side):
+            if staged:
+                global_in.copy_(pinned_global, non_blocking=True)
             global_tokens = engine.global_path.forward(global_in)
         current.wait_stream(side)
         return global_tokens, crop_tokens
+    if staged:
+        pinned_global.copy_(global_in)
+        pinned_crops.copy_(crops_in)
     graph, outputs = capture_graph(forward, torch.cuda.graph_pool_handle(), device="cuda")
 
     def call(page):
-        global_in.copy_(page.global_view[None], non_blocking=True)
-        crops_in.copy_(page.crops, non_blocking=True)
+        if staged:  # the replay before has finished (the caller syncs): its buffers are free
+            pinned_global.copy_(page.global_view[None])
+            pinned_crops.copy_(page.crops)
+        else:
+            global_in.copy_(page.global_view[None], non_blocking=True)
+            crops_in.copy_(page.crops, non_blocking=True)
         graph.replay()
         return outputs
     return call, outputs
@@ -194,6 +212,11 @@ def main(argv=None):
         timeline["gpu_views_joint"] = stream_timeline(lambda: joint(gpu))
         joint(gpu)
         rows["joint_equal"] = equal(PathTokens(outputs[0][0], outputs[1]), reference)
+        staged, staged_outputs = joint_graph(engine, host, staged=True)
+        rows["host_views_joint_staged"] = wall_ms(lambda: staged(host), opts.iters)
+        timeline["host_views_joint_staged"] = stream_timeline(lambda: staged(host))
+        staged(host)
+        rows["joint_staged_equal"] = equal(PathTokens(staged_outputs[0][0], staged_outputs[1]), reference)
     for k, v in rows.items():
         print(f"{k:>28}: {v:6.2f} ms" if isinstance(v, float) else f"{k:>28}: {v}", flush=True)
     for path, table in kernels.items():
