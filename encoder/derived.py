@@ -6,7 +6,8 @@ relative-position tables resized for a global block on a crop: each forward made
 page's crop path at batch 1, replayed inside every graph). They depend only on the weight and
 the size, so each is kept on its weight, keyed by the size and the weight's address and version
 (an in-place update of the weight bumps its version and so remakes the table; a CUDA graph
-captured before the update goes on reading the table it was captured with).
+captured before the update goes on reading the table it was captured with). A table that is a
+view of its weight (the size it was stored for) is not kept: it costs nothing to make.
 
 Made in every forward instead (the reference twin): with DEEPSEEK_OCR_CACHE_TABLES=0 (or this
 module's ENABLED); under torch.compile; in `compile_ahead`'s forward, whose kernels do not run;
@@ -39,6 +40,10 @@ def derived_table(weight: torch.Tensor, key: tuple, make: Callable[[], torch.Ten
     if kept is not None and kept[0] == stamp:
         return kept[1]  # a graph being captured reads it where it is
     table = make()
-    if not (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+    # A view of the weight itself (a size it was stored for) costs nothing to make, and kept on
+    # the weight it would be a reference cycle that the garbage collector does not see through
+    # (the weight would never be freed).
+    shares_storage = table.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+    if not (shares_storage or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
         tables[key] = (stamp, table)
     return table

@@ -158,7 +158,7 @@ def test_derived_tables_are_made_once_and_equal_to_making_them_each_forward(tiny
     monkeypatch.setattr(derived, "ENABLED", True)
     first, second = both_paths(), both_paths()
     pos_tables = _position_weights(encoder)[0].__dict__["_derived_tables"]
-    assert set(pos_tables) == {(64,), (40,)}  # a global view's grid and a crop's
+    assert set(pos_tables) == {(40,)}  # a crop's grid; a global view's is the weight itself
     kept = {key: table for key, (_, table) in pos_tables.items()}
     both_paths()
     assert all(pos_tables[key][1] is table for key, table in kept.items())  # not made again
@@ -184,3 +184,20 @@ def test_derived_tables_are_not_kept_where_autograd_records(tiny_checkpoint):
     encoder.forward_local(pixels(1, 640)).float().square().sum().backward()
     for weight in _position_weights(encoder):
         assert weight.grad is not None and weight.grad.abs().sum() > 0
+
+
+def test_derived_tables_do_not_keep_their_encoder_alive(tiny_checkpoint):
+    """Tables are kept on their weights; one that is a view of its weight (a size the weight
+    was stored for) is not, or the weight would reference itself and never be freed."""
+    import gc
+    import weakref
+
+    from encoder import load_encoder
+    encoder = load_encoder(tiny_checkpoint)
+    with torch.inference_mode():
+        encoder.forward_global(pixels(1, 1024))
+        encoder.forward_local(pixels(1, 640))
+    weights = [weakref.ref(w) for w in encoder.parameters()]
+    del encoder
+    gc.collect()
+    assert all(w() is None for w in weights)
