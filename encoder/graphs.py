@@ -50,7 +50,8 @@ GB = 1024 ** 3
 # memory holds the launching thread until it is done (a page's 7.4 MB of crops: 0.57 ms on the
 # H200 machine, before the local path's launch); one from pinned memory is a DMA queued on the
 # stream (0.15 ms), after a copy into pinned memory on torch's CPU threads (0.41 ms on 2
-# threads, 0.21 on 4, 0.68 on 1: with one thread pinning loses, so it needs two).
+# threads, 0.21 on 4, 0.68 on 1: with one thread pinning loses, so it needs two). Torch keeps
+# the pinned blocks for reuse: up to ~0.4 GB for a full 32-page batch of host views.
 # DEEPSEEK_OCR_PIN_HOST_VIEWS=0 (or this flag) copies from where the views are, the reference.
 PIN_HOST_VIEWS = os.environ.get("DEEPSEEK_OCR_PIN_HOST_VIEWS", "1") != "0"
 
