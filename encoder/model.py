@@ -32,18 +32,31 @@ ACTIVATION_KERNEL = os.environ.get("DEEPSEEK_OCR_ACTIVATION_KERNEL", "1") != "0"
 # tanh form, within 4.8e-4 of SAM's exact erf GELU (under one bf16 rounding of its outputs);
 # DEEPSEEK_OCR_GELU_EPILOGUE=0 (or this flag) keeps nn.Linear + F.gelu, the reference.
 GELU_EPILOGUE = os.environ.get("DEEPSEEK_OCR_GELU_EPILOGUE", "1") != "0"
+# The residual add after each MLP (SAM's 12 blocks, CLIP's 24 layers) done by the MLP's second
+# matmul on a GPU in half precision (`add_norm_mlp`): the add + norm kernel before the MLP stores
+# the residual stream with that matmul's bias already in it, and the matmul accumulates into it
+# (beta = 1), so `x + mlp(h)` is no kernel of its own (36 a view, each reading two [tokens,
+# width] tensors and writing one). The bias is rounded into the stream before the products are
+# added, not with them; DEEPSEEK_OCR_RESIDUAL_EPILOGUE=0 (or this flag) keeps the add, the
+# reference.
+RESIDUAL_EPILOGUE = os.environ.get("DEEPSEEK_OCR_RESIDUAL_EPILOGUE", "1") != "0"
+# The pixels normalised and unfolded into SAM's patch rows in one Triton pass on a GPU in half
+# precision (`triton_pixels.py`, bit for bit torch's six kernels); DEEPSEEK_OCR_PATCH_KERNEL=0
+# (or this flag) keeps torch's ops, the reference.
+PATCH_KERNEL = os.environ.get("DEEPSEEK_OCR_PATCH_KERNEL", "1") != "0"
 
 
 @functools.cache
 def _pointwise_kernels():
-    """(triton_norm, triton_activation), or None where Triton is missing or switched off."""
+    """(triton_norm, triton_activation, triton_pixels), or None where Triton is missing or
+    switched off."""
     if not triton_enabled():
         return None
     try:
-        from . import triton_activation, triton_norm
+        from . import triton_activation, triton_norm, triton_pixels
     except ImportError:  # CPU-only installs have no Triton
         return None
-    return triton_norm, triton_activation
+    return triton_norm, triton_activation, triton_pixels
 
 
 def _takes(x: torch.Tensor, flag: bool) -> bool:
@@ -51,6 +64,14 @@ def _takes(x: torch.Tensor, flag: bool) -> bool:
     which fuses these ops itself."""
     return (flag and not torch.compiler.is_compiling() and x.is_cuda
             and x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous()
+            and _pointwise_kernels() is not None)
+
+
+def patch_kernel_takes(pixels: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether SAM's patch embedding in `dtype` takes these pixels as uint8 (PATCH_KERNEL)."""
+    return (PATCH_KERNEL and not torch.compiler.is_compiling() and pixels.is_cuda
+            and pixels.dtype == torch.uint8 and dtype in (torch.bfloat16, torch.float16)
+            and pixels.dim() == 4 and pixels.shape[1] == 3 and pixels.is_contiguous()
             and _pointwise_kernels() is not None)
 
 
@@ -68,6 +89,20 @@ def add_norm(module: nn.LayerNorm, x: torch.Tensor, residual: torch.Tensor):
         return x, module(x)
     return _pointwise_kernels()[0].layer_norm(x, module.weight, module.bias, module.eps,
                                               residual=residual)
+
+
+def add_norm_mlp(module: nn.LayerNorm, x: torch.Tensor, residual: torch.Tensor, hidden,
+                 out: nn.Linear) -> torch.Tensor:
+    """A block's second half: s = x + residual, then s + out(hidden(module(s)))."""
+    if (RESIDUAL_EPILOGUE and out.bias is not None and _takes(x, NORM_KERNEL)
+            and residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype):
+        total, h = _pointwise_kernels()[0].layer_norm(x, module.weight, module.bias, module.eps,
+                                                      residual=residual, shift=out.bias)
+        inner = hidden(h)
+        total.view(-1, total.shape[-1]).addmm_(inner.reshape(-1, inner.shape[-1]), out.weight.t())
+        return total
+    x, h = add_norm(module, x, residual)
+    return x + out(hidden(h))
 
 
 def _epilogue_takes(linear: nn.Linear, x: torch.Tensor) -> bool:
@@ -109,12 +144,18 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(3, width, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x):
+        """Normalised pixels [B, 3, S, S] in the weights' dtype, or uint8 pixels where the
+        patch kernel takes them (`patch_kernel_takes`) -> [B, S/16, S/16, width]."""
         # The stride-16 conv as one matmul over unfolded patches: cuDNN picks a slow generic
         # kernel for 3 input channels in bf16 (~2 ms for 8 views on an H200).
         bsz, c, s, _ = x.shape
         g, p = s // self.patch, self.patch
-        patches = x.reshape(bsz, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(bsz, g, g, c * p * p)
-        return F.linear(patches, self.proj.weight.reshape(self.proj.out_channels, -1), self.proj.bias)
+        weight = self.proj.weight.reshape(self.proj.out_channels, -1)
+        if x.dtype == torch.uint8:
+            patches = _pointwise_kernels()[2].normalized_patches(x, p, weight.dtype)
+        else:
+            patches = x.reshape(bsz, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(bsz, g, g, c * p * p)
+        return F.linear(patches, weight, self.proj.bias)
 
 
 class SamAttention(nn.Module):
@@ -149,7 +190,10 @@ class SamMLP(nn.Module):
         self.lin2 = nn.Linear(hidden, width)
 
     def forward(self, x):
-        return self.lin2(linear_gelu(self.lin1, x))
+        return self.lin2(self.hidden(x))
+
+    def hidden(self, x):
+        return linear_gelu(self.lin1, x)
 
 
 def window_partition(x, size: int):
@@ -188,8 +232,7 @@ class SamBlock(nn.Module):
             h = window_unpartition(self.attn(h), self.window, padded, hw)
         else:
             h = self.attn(h)
-        x, h = add_norm(self.norm2, x, h)
-        return x + self.mlp(h)
+        return add_norm_mlp(self.norm2, x, h, self.mlp.hidden, self.mlp.lin2)
 
 
 class LayerNorm2d(nn.Module):
@@ -285,7 +328,10 @@ class ClipMLP(nn.Module):
         self.fc2 = nn.Linear(hidden, width)
 
     def forward(self, x):
-        return self.fc2(quick_gelu(self.fc1(x)))
+        return self.fc2(self.hidden(x))
+
+    def hidden(self, x):
+        return quick_gelu(self.fc1(x))
 
 
 class ClipLayer(nn.Module):
@@ -297,8 +343,8 @@ class ClipLayer(nn.Module):
         self.mlp = ClipMLP(args.clip_width, args.clip_mlp_dim)
 
     def forward(self, x):
-        x, h = add_norm(self.layer_norm2, x, self.self_attn(norm(self.layer_norm1, x)))
-        return x + self.mlp(h)
+        attended = self.self_attn(norm(self.layer_norm1, x))
+        return add_norm_mlp(self.layer_norm2, x, attended, self.mlp.hidden, self.mlp.fc2)
 
 
 class ClipTransformer(nn.Module):
@@ -365,8 +411,9 @@ class DeepEncoder(nn.Module):
 
     def features(self, pixels):
         """Fused per-view features before the projector: [B, g*g, clip_width + sam_channels]."""
-        x = normalize(pixels) if pixels.dtype == torch.uint8 else pixels
-        sam = self.sam_model(x.to(self.dtype))  # [B, C, g, g]
+        if not patch_kernel_takes(pixels, self.dtype):
+            pixels = (normalize(pixels) if pixels.dtype == torch.uint8 else pixels).to(self.dtype)
+        sam = self.sam_model(pixels)  # [B, C, g, g]
         clip = self.vision_model(sam)  # [B, 1 + g*g, C]
         return torch.cat([clip[:, 1:], sam.flatten(2).transpose(1, 2)], dim=-1)  # CLIP, then SAM
 

@@ -17,8 +17,9 @@ from common.triton_compile import launch_kernel
 
 
 @triton.jit
-def _layer_norm_fwd(X, R, W, B, S, Y, n_rows, n_cols, eps,
-                    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _layer_norm_fwd(X, R, T, W, B, S, Y, n_rows, n_cols, eps,
+                    HAS_RESIDUAL: tl.constexpr, HAS_SHIFT: tl.constexpr, ROWS: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -26,7 +27,11 @@ def _layer_norm_fwd(X, R, W, B, S, Y, n_rows, n_cols, eps,
     x = tl.load(X + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = (x.to(tl.float32) + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-        tl.store(S + offs, x, mask=mask)
+        if HAS_SHIFT:  # the stored sum carries a per-column shift; the norm does not see it
+            shift = tl.load(T + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+            tl.store(S + offs, (x.to(tl.float32) + shift[None, :]).to(x.dtype), mask=mask)
+        else:
+            tl.store(S + offs, x, mask=mask)
     x = x.to(tl.float32)
     mean = tl.sum(x, 1) / n_cols
     centred = tl.where(mask, x - mean[:, None], 0.0)
@@ -38,9 +43,12 @@ def _layer_norm_fwd(X, R, W, B, S, Y, n_rows, n_cols, eps,
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-               residual: torch.Tensor | None = None):
+               residual: torch.Tensor | None = None, shift: torch.Tensor | None = None):
     """LayerNorm over the last dim of contiguous `x` -> y; with `residual` (same shape):
-    (x + residual, LayerNorm(x + residual))."""
+    (x + residual, LayerNorm(x + residual)); with `shift` too ([last dim]): the sum is stored
+    as (x + residual) + shift, rounded twice, and normalised without it."""
+    if shift is not None and residual is None:
+        raise ValueError("a shift is added to the residual sum: pass a residual")
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols
     y = torch.empty_like(x)
@@ -48,6 +56,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     block_n = triton.next_power_of_2(n_cols)
     rows = max(1, 4096 // block_n)  # ~4k elements a program: a few rows of 768 or 1024
     launch_kernel(_layer_norm_fwd, (triton.cdiv(n_rows, rows),),
-                  x, x if residual is None else residual, weight, bias, total, y, n_rows, n_cols, eps,
-                  HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK_N=block_n, num_warps=4)
+                  x, x if residual is None else residual, bias if shift is None else shift, weight, bias,
+                  total, y, n_rows, n_cols, eps, HAS_RESIDUAL=residual is not None,
+                  HAS_SHIFT=shift is not None, ROWS=rows, BLOCK_N=block_n, num_warps=4)
     return y if residual is None else (total, y)
