@@ -10,6 +10,8 @@ And two changes the engine could make, measured on its own call: `priority` (the
 high-priority stream, so the local path, the longer one, takes the SMs first and the global
 path, on the engine's side stream of default priority, fills what it leaves) and `pinned` (the
 host views in page-locked memory: their copy is a DMA that does not hold the launching thread).
+Last, the engine against its twin in the same run: an engine captured with the residual
+epilogue and the patch kernel off (`_twin`, `_beside_twin` the engine re-measured beside it).
 
     python bench/page_b1_probe.py [--out bench/results] [--iters 30]
 
@@ -26,11 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import options, wall_ms, write_result  # noqa: E402
+from bench.common import options, rel_err, wall_ms, write_result  # noqa: E402
 from bench.e2e_bench import page_png  # noqa: E402
 from bench.graph_bench import image  # noqa: E402
 from common.cuda_graphs import capture_graph  # noqa: E402
-from encoder import DualPathEncoder, EncoderArgs, decode, preprocess, views_of  # noqa: E402
+from encoder import DualPathEncoder, EncoderArgs, decode, model, preprocess, views_of  # noqa: E402
 from encoder.checkpoint import random_encoder  # noqa: E402
 from encoder.graphs import PathTokens  # noqa: E402
 
@@ -217,8 +219,31 @@ def main(argv=None):
         timeline["host_views_joint_staged"] = stream_timeline(lambda: staged(host))
         staged(host)
         rows["joint_staged_equal"] = equal(PathTokens(staged_outputs[0][0], staged_outputs[1]), reference)
+        # What staging a page's crops through pinned memory costs the CPU: pinned whole by
+        # torch's caching allocator (the engine's way), or copied into a kept pinned buffer
+        # whole or a view at a time (so each view's DMA could start while the next is copied).
+        kept = torch.empty(host.crops.shape, dtype=torch.uint8, pin_memory=True)
+        rows["cpu_pin_crops"] = wall_ms(lambda: host.crops.pin_memory(), opts.iters)
+        rows["cpu_copy_crops_to_kept_pinned"] = wall_ms(lambda: kept.copy_(host.crops), opts.iters)
+        rows["cpu_copy_crops_to_kept_pinned_by_view"] = wall_ms(
+            lambda: [kept[i].copy_(host.crops[i]) for i in range(len(kept))], opts.iters)
+        # The engine's kernels beside their twins, in the same run: an engine captured with the
+        # residual epilogue and the patch kernel switched off.
+        flags = model.RESIDUAL_EPILOGUE, model.PATCH_KERNEL
+        model.RESIDUAL_EPILOGUE = model.PATCH_KERNEL = False
+        twin = DualPathEncoder(encoder, max_images=32)
+        model.RESIDUAL_EPILOGUE, model.PATCH_KERNEL = flags
+        for name, item in (("host_views", host), ("gpu_views", gpu)):
+            rows[f"{name}_encode_twin"] = wall_ms(lambda: twin.encode([item]), opts.iters)
+            rows[f"{name}_encode_beside_twin"] = wall_ms(lambda: engine.encode([item]), opts.iters)
+        kernels["local_only_twin"] = kernel_table(lambda: twin.run([None], [gpu.crops]))
+        kernels["global_only_twin"] = kernel_table(lambda: twin.run([gpu.global_view], [None]))
+        twin_out = twin.run([gpu.global_view], [gpu.crops])[0]
+        rows["twin_rel_diff_global"] = rel_err(twin_out.global_tokens, reference.global_tokens)
+        rows["twin_rel_diff_crops"] = rel_err(twin_out.crop_tokens, reference.crop_tokens)
     for k, v in rows.items():
-        print(f"{k:>28}: {v:6.2f} ms" if isinstance(v, float) else f"{k:>28}: {v}", flush=True)
+        shown = (f"{v:.2e}" if "rel_diff" in k else f"{v:6.2f} ms") if isinstance(v, float) else v
+        print(f"{k:>28}: {shown}", flush=True)
     for path, table in kernels.items():
         for name, row in table.items():
             print(f"{path} {row['ms']:7.3f} ms {row['n']:4d}x {name}", flush=True)
