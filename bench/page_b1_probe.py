@@ -1,6 +1,7 @@
 """Where one 2x3 page's batch-1 time goes: the engine's call with the views on the host (as
 graph_bench's page_b1_ms) and on the GPU (as the Encoder replica has them), both paths
-overlapped or on one stream, each path alone; and a kernel timeline per CUDA stream.
+overlapped or on one stream, each path alone; a kernel timeline per CUDA stream, and each
+path's kernels by name and in the order they ran.
 Two launch schemes the engine does not use, measured against its own: `threaded` (the local
 graph launched from a second thread while this one launches the global graph: a graph's
 launch holds its thread ~2 ms, which now sits before the global path starts) and `joint` (one
@@ -178,6 +179,12 @@ def main(argv=None):
             rows[f"{name}_local_only"] = wall_ms(lambda: engine.run([None], [item.crops]), opts.iters)
         kernels = {"local_only": kernel_table(lambda: engine.run([None], [gpu.crops])),
                    "global_only": kernel_table(lambda: engine.run([gpu.global_view], [None]))}
+        # Each path's GPU operations in the order they ran (name, µs): what a small kernel
+        # belongs to shows by its neighbours.
+        sequence = {path: [(e["name"][:60], round(e["dur"], 1))
+                           for e in sorted(gpu_events(fn), key=lambda e: e["ts"])]
+                    for path, fn in (("local_only", lambda: engine.run([None], [gpu.crops])),
+                                     ("global_only", lambda: engine.run([gpu.global_view], [None])))}
         timeline = {name: stream_timeline(both(item))
                     for name, item in (("host_views", host), ("gpu_views", gpu))}
         reference = both(gpu)()[0]
@@ -254,7 +261,8 @@ def main(argv=None):
         "benchmark": "one 2x3 page at batch 1, where the time goes",
         "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "timing": f"wall clock per call with CUDA sync, median of {opts.iters}",
-        "summary": rows, "stream_timeline_ms": timeline, "kernels_ms": kernels})
+        "summary": rows, "stream_timeline_ms": timeline, "kernels_ms": kernels,
+        "kernel_sequence_us": sequence})
 
 
 if __name__ == "__main__":
