@@ -8,7 +8,7 @@
 #   bash bench/gpu_session.sh tune-moe  # the fused MoE kernels' tiles, decode and prefill (bench/tune_moe_kernel.py)
 #   bash bench/gpu_session.sh compile   # compile_bench --all_budgets twice (cold, warm cache), compile test
 #   bash bench/gpu_session.sh serve     # GPU tests that need Ray, the decode and hop probes, serve_bench with py-spy samples
-#                                       # (needs the Ray bundle)
+#                                       # (its variants with and without the batch wait; needs the Ray bundle)
 #   bash bench/gpu_session.sh e2e       # e2e_bench (needs the Ray bundle)
 #   bash bench/gpu_session.sh e2e-one-encoder   # e2e_bench of gpu-shared-one-encoder.yaml
 #   bash bench/gpu_session.sh startup   # e2e_bench's cold start and one page alone, three ways (~5 min)
@@ -74,7 +74,8 @@ case "${1:?phase: encoder, kernels, decoder, tune-moe, compile, serve, e2e, e2e-
       | tee "$out/gpu-tests-serve.txt" | tail -4 || echo "GPU TESTS FAILED"
     python3 bench/decode_probe.py 2>&1 | grep "process\|actor"  # the page's decode, in process and in an actor
     python3 bench/serve_hop_probe.py --out "$out" 2>&1 | grep " ms$"  # bare Serve calls, no app code
-    python3 bench/serve_bench.py --variants shared shared-one-encoder --py_spy "$out" --out "$out" 2>&1 \
+    python3 bench/serve_bench.py --variants shared shared-one-encoder shared-wait shared-one-encoder-wait \
+      --py_spy "$out" --out "$out" 2>&1 \
       | grep -v " INFO \| WARNING " | tail -40
     ;;
   e2e)

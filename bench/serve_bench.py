@@ -15,8 +15,9 @@ at once, waited for together (`pages_per_s_c64_burst`: the pipeline fills and dr
 Variants: "shared" (both encoders on one GPU at num_gpus 0.5 with memory caps), "separate"
 (each encoder on its own GPU; needs 2), "shared-one-encoder" (one_encoder: both paths in one
 Encoder process on the GPU, one call per page) and "shared-router-views" (views_on_encoder=false:
-the routers make the views with PIL, the reference path and the design before). 4 router
-replicas (2 CPUs each).
+the routers make the views with PIL, the reference path and the design before); any of them
+with "-wait" after it: the encoders' batches wait for pages still decoding
+(`encoder_batch_wait_ms`, BATCH_WAIT_MS). 4 router replicas (2 CPUs each).
 Each measurement is repeated `reps` times in this one run; each ratio is the median over the
 repetitions of (Serve rep i) / (in-process rep i). This process takes the replicas' allocator
 settings (`common.allocator`), so in-process and Serve decode alike. `hops_one_at_a_time`: a
@@ -48,6 +49,9 @@ TARGETS = {"latency_ratio_p50": 1.25, "throughput_ratio_c64_vs_encode_only": 0.8
 PAGES, ROUTERS, ROUTER_CPUS, ENCODER_CPUS = 64, 4, 2, 2
 ITERS, WARMUP = 30, 5  # p50 of 30 calls after 5 warm-ups, per repetition
 SUSTAINED = 5  # pages/s at 64 in flight: over 5 x 64 calls, 64 outstanding at all times
+# "-wait" variants: a batch waits up to this long for pages its replica is still decoding (a
+# page's decode and views take ~12 ms there under load).
+BATCH_WAIT_MS = 15
 
 
 def pages_per_s(fn) -> float:
@@ -117,15 +121,17 @@ def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int,
     from deployments.config import AppConfig
     from deployments.encoders import PathEncoder
     from deployments.router import Router
-    placement = variant.removesuffix("-router-views").removesuffix("-one-encoder")
+    base = variant.removesuffix("-wait")
+    placement = base.removesuffix("-router-views").removesuffix("-one-encoder")
     gpus = {"separate": (1.0, 1.0), "shared": (0.5, 0.5)}[placement]
     if not torch.cuda.is_available():  # smoke: the same app on CPU
         gpus = (0, 0)
     memory = {"separate": (None, None), "shared": (0.3, 0.6)}[placement]
     config = AppConfig(checkpoint=checkpoint, encode_only=True, gpu_memory_fraction_global=memory[0],
                        gpu_memory_fraction_local=memory[1], encoder_cache_mb=0,  # every page encoded
-                       views_on_encoder=not variant.endswith("-router-views"),
-                       one_encoder=variant.endswith("-one-encoder"))
+                       views_on_encoder=not base.endswith("-router-views"),
+                       one_encoder=base.endswith("-one-encoder"),
+                       encoder_batch_wait_ms=BATCH_WAIT_MS if variant.endswith("-wait") else 0)
     if config.one_encoder:  # both paths in one process: the two GPU shares and memory caps
         encoders = [PathEncoder.options(name="Encoder", ray_actor_options={
             "num_cpus": ENCODER_CPUS, "num_gpus": sum(gpus)}).bind("both", config), None]

@@ -61,6 +61,11 @@ class AppConfig(BaseModel):
         True, description="with views_on_encoder, a GPU encoder makes each request's views as "
         "it arrives (a thread and CUDA stream of their own, while the batch before runs); "
         "false (and on CPUs): in its batch, before the batch runs")
+    encoder_batch_wait_ms: float = Field(
+        0, ge=0, le=1000, description="an encoder's batch about to start waits up to this long for "
+        "requests the replica is still decoding, when more are on their way than are queued "
+        "(under load the pages one batch answered come back together; the first decoded would "
+        "otherwise run alone); a lone request never waits; 0: off (not yet measured on a GPU)")
     max_images_per_request: int = Field(16, ge=1, le=256, description="images in one request")
     max_request_mb: int = Field(64, ge=1, le=2048, description="largest request body (HTTP 413 above)")
     max_pages: int = Field(5000, ge=1, le=100_000, description="pages of one PDF (HTTP 413 above)")

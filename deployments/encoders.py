@@ -131,7 +131,10 @@ class PathEncoder:
         # One batch at a time, each taking what queued while the one before ran, up to the
         # path's largest budget in views (the Encoder: in images; the planner cuts a batch to
         # both paths' budgets).
-        self.batches = BatchQueue(self.encode_batch, self.runners[0].budgets.max_units, _views)
+        self.on_the_way = 0  # requests in `encode` not yet queued (decoding, making views)
+        self.batches = BatchQueue(self.encode_batch, self.runners[0].budgets.max_units, _views,
+                                  on_the_way=lambda: self.on_the_way,
+                                  max_wait_s=config.encoder_batch_wait_ms / 1e3)
         self.request_batches: Counter = Counter()  # requests per executed batch
         self.recent: deque[dict] = deque(maxlen=1000)  # per-batch stage timings
         self.handled: deque[float] = deque(maxlen=1000)  # per request: encode's entry to return, ms
@@ -168,7 +171,20 @@ class PathEncoder:
         the views, on its device (`encoder.preprocess`).
         Encoder (one_encoder; `view` = ("both", mode, grid)): an image -> its whole sequence
         [num_tokens, D], assembled here (crops' grid with newlines, global view, separator)."""
-        entered, decode_ms = time.perf_counter(), 0.0
+        entered = time.perf_counter()
+        self.on_the_way += 1
+        try:
+            request = await self._arrive(pixels, view)
+        finally:
+            self.on_the_way -= 1
+        result = await self.batches.submit(request)
+        self.handled.append((time.perf_counter() - entered) * 1e3)
+        return result
+
+    async def _arrive(self, pixels: Wire | ImageHeader, view: ViewSpec | None) -> Request:
+        """A request as it joins the batch queue: its bytes decoded, its view checked, its views
+        made (views_on_arrival)."""
+        decode_ms = 0.0
         if isinstance(pixels, ImageHeader):
             if view is None:
                 raise ValueError("an image's bytes need a view (path, mode, grid) to make")
@@ -182,9 +198,7 @@ class PathEncoder:
             if self.views_on_arrival:
                 request.views = await asyncio.get_running_loop().run_in_executor(
                     self.views_worker, self._views_of, pixels, view)
-        result = await self.batches.submit(request)
-        self.handled.append((time.perf_counter() - entered) * 1e3)
-        return result
+        return request
 
     async def encode_batch(self, requests: list[Request]) -> list[Wire]:
         return await asyncio.get_running_loop().run_in_executor(self.worker, self._run_batch, requests)

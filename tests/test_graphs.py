@@ -197,6 +197,50 @@ def test_views_made_on_arrival_equal_views_made_in_the_batch():
     check_views_made_on_arrival()
 
 
+def test_an_encoder_waits_for_pages_still_decoding_when_asked(monkeypatch):
+    """encoder_batch_wait_ms: four pages that reach the one Encoder together, each decoded 0.1 s
+    after the one before, run as one batch; without it (0, the default) the first decoded runs
+    alone. The same sequences either way."""
+    pytest.importorskip("ray")
+    import asyncio
+    import io
+    import time
+
+    from deployments import encoders
+    from deployments.config import AppConfig
+    from deployments.protocol import from_wire
+    from encoder.preprocess import read_header
+
+    def png(im):
+        buf = io.BytesIO()
+        im.save(buf, format="PNG")
+        return buf.getvalue()
+    headers = [read_header(png(image(w, h, 90 + i))) for i, (w, h) in enumerate(MIXED[:4])]
+    delay = {id(h): 0.1 * i for i, h in enumerate(headers)}
+    decode_header = encoders.decode_header
+
+    def slow_decode(header):
+        time.sleep(delay[id(header)])
+        return decode_header(header)
+    monkeypatch.setattr(encoders, "decode_header", slow_decode)
+
+    def served(wait_ms):
+        replica = encoders.PathEncoder.func_or_class(
+            "both", AppConfig(max_images=4, one_encoder=True, encoder_batch_wait_ms=wait_ms))
+
+        async def together():
+            return await asyncio.gather(*(replica.encode(h, ("both", h.mode, h.grid)) for h in headers))
+        seqs = [from_wire(seq) for seq in asyncio.run(together())]
+        assert replica.on_the_way == 0
+        return seqs, dict(replica.request_batches)
+    waited, batches = served(1000)
+    assert batches == {4: 1}
+    at_once, batches = served(0)
+    assert batches[1] >= 1 and sum(n * count for n, count in batches.items()) == 4
+    for a, b in zip(waited, at_once):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.gpu
 def test_views_made_on_arrival_equal_views_made_in_the_batch_on_gpu():
     if not torch.cuda.is_available():
