@@ -82,10 +82,15 @@ def norm(module: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     return _pointwise_kernels()[0].layer_norm(x, module.weight, module.bias, module.eps)
 
 
+def _add_norm_takes(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether the norm kernel adds `residual` to `x` in its pass (NORM_KERNEL)."""
+    return (_takes(x, NORM_KERNEL) and residual.is_contiguous() and residual.shape == x.shape
+            and residual.dtype == x.dtype)
+
+
 def add_norm(module: nn.LayerNorm, x: torch.Tensor, residual: torch.Tensor):
     """(x + residual, module(x + residual))."""
-    if (not _takes(x, NORM_KERNEL) or not residual.is_contiguous() or residual.shape != x.shape
-            or residual.dtype != x.dtype):
+    if not _add_norm_takes(x, residual):
         x = x + residual
         return x, module(x)
     return _pointwise_kernels()[0].layer_norm(x, module.weight, module.bias, module.eps,
@@ -95,8 +100,7 @@ def add_norm(module: nn.LayerNorm, x: torch.Tensor, residual: torch.Tensor):
 def add_norm_mlp(module: nn.LayerNorm, x: torch.Tensor, residual: torch.Tensor, hidden,
                  out: nn.Linear) -> torch.Tensor:
     """A block's second half: s = x + residual, then s + out(hidden(module(s)))."""
-    if (RESIDUAL_EPILOGUE and out.bias is not None and _takes(x, NORM_KERNEL)
-            and residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype):
+    if RESIDUAL_EPILOGUE and out.bias is not None and _add_norm_takes(x, residual):
         total, h = _pointwise_kernels()[0].layer_norm(x, module.weight, module.bias, module.eps,
                                                       residual=residual, shift=out.bias)
         inner = hidden(h)
