@@ -40,7 +40,7 @@ from encoder.graphs import PathTokens  # noqa: E402
 
 def gpu_events(fn) -> list[dict]:
     """The kernels, copies and memsets of one call of `fn` (after one unprofiled call), as the
-    profiler's chrome trace has them."""
+    profiler's chrome trace has them, in the order they started."""
     import json
     import tempfile
 
@@ -53,14 +53,15 @@ def gpu_events(fn) -> list[dict]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))
-    return [e for e in trace["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    events = [e for e in trace["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    return sorted(events, key=lambda e: e["ts"])
 
 
-def kernel_table(fn, top: int = 25) -> dict:
-    """One call's kernels grouped by name (the first 60 characters): total ms and count, the
-    `top` largest first."""
+def kernel_table(events: list[dict], top: int = 25) -> dict:
+    """One call's GPU events (`gpu_events`) grouped by name (the first 60 characters): total ms
+    and count, the `top` largest first."""
     table: dict = {}
-    for e in gpu_events(fn):
+    for e in events:
         row = table.setdefault(e["name"][:60], {"ms": 0.0, "n": 0})
         row["ms"] += e["dur"] / 1e3
         row["n"] += 1
@@ -177,14 +178,13 @@ def main(argv=None):
             engine.overlap_paths = True
             rows[f"{name}_global_only"] = wall_ms(lambda: engine.run([item.global_view], [None]), opts.iters)
             rows[f"{name}_local_only"] = wall_ms(lambda: engine.run([None], [item.crops]), opts.iters)
-        kernels = {"local_only": kernel_table(lambda: engine.run([None], [gpu.crops])),
-                   "global_only": kernel_table(lambda: engine.run([gpu.global_view], [None]))}
+        events = {"local_only": gpu_events(lambda: engine.run([None], [gpu.crops])),
+                  "global_only": gpu_events(lambda: engine.run([gpu.global_view], [None]))}
+        kernels = {path: kernel_table(path_events) for path, path_events in events.items()}
         # Each path's GPU operations in the order they ran (name, µs): what a small kernel
         # belongs to shows by its neighbours.
-        sequence = {path: [(e["name"][:60], round(e["dur"], 1))
-                           for e in sorted(gpu_events(fn), key=lambda e: e["ts"])]
-                    for path, fn in (("local_only", lambda: engine.run([None], [gpu.crops])),
-                                     ("global_only", lambda: engine.run([gpu.global_view], [None])))}
+        sequence = {path: [(e["name"][:60], round(e["dur"], 1)) for e in path_events]
+                    for path, path_events in events.items()}
         timeline = {name: stream_timeline(both(item))
                     for name, item in (("host_views", host), ("gpu_views", gpu))}
         reference = both(gpu)()[0]
@@ -243,8 +243,8 @@ def main(argv=None):
         for name, item in (("host_views", host), ("gpu_views", gpu)):
             rows[f"{name}_encode_twin"] = wall_ms(lambda: twin.encode([item]), opts.iters)
             rows[f"{name}_encode_beside_twin"] = wall_ms(lambda: engine.encode([item]), opts.iters)
-        kernels["local_only_twin"] = kernel_table(lambda: twin.run([None], [gpu.crops]))
-        kernels["global_only_twin"] = kernel_table(lambda: twin.run([gpu.global_view], [None]))
+        kernels["local_only_twin"] = kernel_table(gpu_events(lambda: twin.run([None], [gpu.crops])))
+        kernels["global_only_twin"] = kernel_table(gpu_events(lambda: twin.run([gpu.global_view], [None])))
         twin_out = twin.run([gpu.global_view], [gpu.crops])[0]
         rows["twin_rel_diff_global"] = rel_err(twin_out.global_tokens, reference.global_tokens)
         rows["twin_rel_diff_crops"] = rel_err(twin_out.crop_tokens, reference.crop_tokens)
