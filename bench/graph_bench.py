@@ -7,7 +7,9 @@ growth, unit-aligned). Measures:
   - batch-1 latency per image kind (224², 448², 896², 1024², 1191x1684 page) through
     `DualPathEncoder.encode` with graphs, with the same engine eager (fused attention), and eager
     with the dense rel-pos bias (DeepSeek's way): wall clock per call, host-to-device copy of the
-    uint8 pixels and assembly included; tiled images also with both paths on one stream;
+    uint8 pixels and assembly included, the views made by `preprocess(pin_memory=True)` (page-
+    locked, as `encode_images` has its pixels); tiled images also with both paths on one stream;
+    the page also from pageable views (plain `preprocess`: the engine pins them in its call);
   - pages/s and MFU for 2x3 pages at batch 8/16/32 with graphs (pixels staged on the GPU);
   - padding waste of the planner on a mixed workload: vLLM PR's 2x budgets + sorted-greedy vs
     our 1.5x unit-aligned budgets + DP (the scheduler alone, no GPU needed);
@@ -116,7 +118,7 @@ def main(argv=None):
 
     latency = {}
     for name, size in SIZES.items():
-        item = preprocess(image(size, 1))
+        item = preprocess(image(size, 1), pin_memory=True)
         row = {"grid": list(item.grid), "tokens": item.num_tokens}
         with torch.inference_mode():
             graph_out = graphs.encode([item])[0]
@@ -125,6 +127,8 @@ def main(argv=None):
                 graphs.overlap_paths = False
                 row["graphs_one_stream_ms"] = wall_ms(lambda: graphs.encode([item]), opts.iters)
                 graphs.overlap_paths = True
+                pageable = preprocess(image(size, 1))
+                row["graphs_pageable_views_ms"] = wall_ms(lambda: graphs.encode([pageable]), opts.iters)
             row["eager_ms"] = wall_ms(lambda: eager.encode([item]), opts.iters)
             eager_out = eager.encode([item])[0]
             encoder.set_attention("dense")
@@ -155,6 +159,7 @@ def main(argv=None):
     summary = {
         "untiled_b1_ms": latency["448x448"]["graphs_ms"],
         "page_b1_ms": latency["page-1191x1684"]["graphs_ms"],
+        "page_b1_pageable_views_ms": latency["page-1191x1684"]["graphs_pageable_views_ms"],
         "dense_untiled_b1_ms": latency["448x448"]["dense_eager_ms"],
         "dense_page_b1_ms": latency["page-1191x1684"]["dense_eager_ms"],
         "best_pages_per_s": best["pages_per_s"],

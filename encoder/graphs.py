@@ -52,6 +52,9 @@ GB = 1024 ** 3
 # stream (0.15 ms), after a copy into pinned memory on torch's CPU threads (0.41 ms on 2
 # threads, 0.21 on 4, 0.68 on 1: with one thread pinning loses, so it needs two). Torch keeps
 # the pinned blocks for reuse: up to ~0.4 GB for a full 32-page batch of host views.
+# Better still, views pinned where they are made (`preprocess(pin_memory=True)`, as
+# `encode_images` does): the engine's call then only queues the DMA (~1 ms less CPU before a
+# page's paths start; `bench/staging_probe.py`).
 # DEEPSEEK_OCR_PIN_HOST_VIEWS=0 (or this flag) copies from where the views are, the reference.
 PIN_HOST_VIEWS = os.environ.get("DEEPSEEK_OCR_PIN_HOST_VIEWS", "1") != "0"
 
@@ -260,12 +263,14 @@ class DualPathEncoder:
         if not isinstance(images, (list, tuple)):
             images = [images]
         prepare = decode if self.views_on_device else preprocess
+        # Page-locked on a GPU: the pixels' copy there is a DMA, not a stall of this thread.
+        pin = PIN_HOST_VIEWS and self.encoder.device.type == "cuda"
         if len(images) <= 1:
-            items = [prepare(image, mode=mode, max_crops=max_crops) for image in images]
+            items = [prepare(image, mode=mode, max_crops=max_crops, pin_memory=pin) for image in images]
         else:  # decoding (and PIL's resizes) dominate for pages and release the GIL: threads
             with ThreadPoolExecutor(max_workers=min(len(images), os.cpu_count() or 1, 16)) as pool:
-                items = list(pool.map(lambda image: prepare(image, mode=mode, max_crops=max_crops),
-                                      images))
+                items = list(pool.map(lambda image: prepare(image, mode=mode, max_crops=max_crops,
+                                                            pin_memory=pin), images))
         if self.views_on_device:
             items = [views_of(item, self.encoder.device, exact=True) for item in items]
         return self.encode(items)

@@ -47,6 +47,7 @@ __all__ = [
     "global_view_of",
     "load_image",
     "normalize",
+    "page_locked",
     "preprocess",
     "start_preprocess",
     "views_of",
@@ -390,9 +391,26 @@ def preprocess(
     max_crops: int = DEFAULT_MAX_CROPS,
     max_pixels: int = MAX_IMAGE_PIXELS,
     grey: bool = True,
+    pin_memory: bool = False,
 ) -> PreprocessedImage:
-    """Decode ``image`` and build its global view (and, in gundam mode, local crops)."""
-    return start_preprocess(image, mode, max_crops, max_pixels, grey).result()
+    """Decode ``image`` and build its global view (and, in gundam mode, local crops).
+    `pin_memory`: the views in page-locked memory where a CUDA device is present (`page_locked`)."""
+    item = start_preprocess(image, mode, max_crops, max_pixels, grey).result()
+    if not pin_memory:
+        return item
+    return dataclasses.replace(item, global_view=page_locked(item.global_view), crops=page_locked(item.crops))
+
+
+def page_locked(pixels: torch.Tensor) -> torch.Tensor:
+    """`pixels` in page-locked memory where a CUDA device is present (else as they are), as a
+    DataLoader's pin_memory: their copy to the GPU is then a DMA queued on the stream, which
+    neither holds the launching thread nor needs the engine to pin them on the encode's path
+    (on the H200 machine a page's host views cost the engine's call ~1 ms of CPU when it pins
+    them itself, `bench/staging_probe.py`). Pinning copies them once; page-locked memory is
+    the machine's RAM that cannot be swapped, so pin what is about to be encoded, not a corpus."""
+    if pixels.is_pinned() or not torch.cuda.is_available():
+        return pixels
+    return pixels.pin_memory()
 
 
 @dataclass(frozen=True, eq=False)
@@ -483,14 +501,17 @@ def decode(
     max_crops: int = DEFAULT_MAX_CROPS,
     max_pixels: int = MAX_IMAGE_PIXELS,
     grey: bool = True,
+    pin_memory: bool = False,
 ) -> DecodedImage:
-    """Decode ``image`` (as `preprocess`, same errors) without building any view."""
+    """Decode ``image`` (as `preprocess`, same errors) without building any view; `pin_memory`
+    as `preprocess` (the pixels then reach the GPU for `views_of` by DMA)."""
     img, _, grid, num_tokens = _decode(image, mode, max_crops, max_pixels, grey)
     if img.mode == "L":
         pixels = np.array(img, dtype=np.uint8)[None]  # np.array: a writable copy
     else:
         pixels = np.ascontiguousarray(np.asarray(img, dtype=np.uint8).transpose(2, 0, 1))
-    return DecodedImage(torch.from_numpy(pixels), grid, num_tokens, mode, img.size)
+    pixels = torch.from_numpy(pixels)
+    return DecodedImage(page_locked(pixels) if pin_memory else pixels, grid, num_tokens, mode, img.size)
 
 
 @dataclass(frozen=True, eq=False)

@@ -345,6 +345,23 @@ def test_host_views_through_pinned_memory_equal_copies_from_where_they_are(cuda_
 
 
 @pytest.mark.gpu
+def test_views_pinned_where_made_equal_views_the_engine_copies(cuda_engine, monkeypatch):
+    """Views page-locked by `preprocess(pin_memory=True)` (the engine's copy is a DMA it only
+    queues), pages back to back, against the twin: the same pages' pageable views copied from
+    where they are; and `encode_images` (decoded pixels pinned) against it too."""
+    from encoder import graphs
+    pages = [image(w, h, 90 + i) for i, (w, h) in enumerate(PAGES[:3])]
+    pinned = [preprocess(page, pin_memory=True) for page in pages]
+    assert all(p.global_view.is_pinned() and p.crops.is_pinned() for p in pinned)
+    from_pinned = [cuda_engine.encode([p])[0] for p in pinned]
+    from_images = cuda_engine.encode_images(pages)
+    monkeypatch.setattr(graphs, "PIN_HOST_VIEWS", False)
+    for got, images_got, page in zip(from_pinned, from_images, pages):
+        want = cuda_engine.encode([preprocess(page)])[0]
+        assert torch.equal(got, want) and torch.equal(images_got, want)
+
+
+@pytest.mark.gpu
 def test_graphs_with_derived_tables_kept_equal_graphs_making_them(cuda_engine, monkeypatch):
     """The graphs read SAM's and CLIP's resized position tables kept from their warm-ups
     (`encoder.derived`); the twin's graphs make them in every replay."""

@@ -894,3 +894,19 @@ def test_decoding_from_a_header_fails_on_bad_pixels_or_another_size():
     good = read_header(encode(noise_image(40, 30)))
     with pytest.raises(ImageError, match="header said 41x30"):
         decode_header(dataclasses.replace(good, original_size=(41, 30)))
+
+
+def test_pin_memory_keeps_every_pixel_and_pins_where_cuda_is():
+    """`pin_memory=True` (what `encode_images` asks for on a GPU): the same views and decoded
+    pixels as without, page-locked where a CUDA device is present, left as they are without one
+    (a CPU-only process asking gets no error)."""
+    from encoder.preprocess import decode
+    page = encode(Image.fromarray(np.random.default_rng(5).integers(0, 256, (900, 700, 3), dtype=np.uint8)))
+    plain, pinned = preprocess(page), preprocess(page, pin_memory=True)
+    assert plain.grid == pinned.grid != (1, 1)
+    for a, b in ((plain.global_view, pinned.global_view), (plain.crops, pinned.crops)):
+        assert torch.equal(a, b) and not a.is_pinned()
+        assert b.is_pinned() == torch.cuda.is_available()
+    decoded, decoded_pinned = decode(page), decode(page, pin_memory=True)
+    assert torch.equal(decoded.pixels, decoded_pinned.pixels)
+    assert decoded_pinned.pixels.is_pinned() == torch.cuda.is_available()
