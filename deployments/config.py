@@ -65,7 +65,8 @@ class AppConfig(BaseModel):
         0, ge=0, le=1000, description="an encoder's batch about to start waits up to this long for "
         "requests the replica is still decoding, when more are on their way than are queued "
         "(under load the pages one batch answered come back together; the first decoded would "
-        "otherwise run alone); a lone request never waits; 0: off (not yet measured on a GPU)")
+        "otherwise run alone); a lone request never waits; 0: off (at 15 ms on an H200, 64 pages "
+        "in flight: fewer, larger batches but fewer pages a second, so off by default)")
     max_images_per_request: int = Field(16, ge=1, le=256, description="images in one request")
     max_request_mb: int = Field(64, ge=1, le=2048, description="largest request body (HTTP 413 above)")
     max_pages: int = Field(5000, ge=1, le=100_000, description="pages of one PDF (HTTP 413 above)")
