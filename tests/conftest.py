@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -25,6 +26,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def free_cuda_memory_after_each_module():
+    """On a GPU, what a module's engines held goes back before the next module: engines hold
+    each other in reference cycles (graphs, streams, closures), which only a full collection
+    frees, and the GPU tests of every file run in one process (`gpu_session.sh encoder`). Without
+    this, test_attention's dense formula (29 GB) met ~108 GB still held by earlier modules."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session")
