@@ -17,7 +17,8 @@ Variants: "shared" (both encoders on one GPU at num_gpus 0.5 with memory caps), 
 Encoder process on the GPU, one call per page) and "shared-router-views" (views_on_encoder=false:
 the routers make the views with PIL, the reference path and the design before); any of them
 with "-wait" after it: the encoders' batches wait for pages still decoding
-(`encoder_batch_wait_ms`, BATCH_WAIT_MS). 4 router replicas (2 CPUs each).
+(`encoder_batch_wait_ms`, BATCH_WAIT_MS), or "-decode<N>": N decode threads per encoder
+(`encoder_decode_threads`, 4 by default). 4 router replicas (2 CPUs each).
 Each measurement is repeated `reps` times in this one run; each ratio is the median over the
 repetitions of (Serve rep i) / (in-process rep i). This process takes the replicas' allocator
 settings (`common.allocator`), so in-process and Serve decode alike. `hops_one_at_a_time`: a
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -121,7 +123,8 @@ def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int,
     from deployments.config import AppConfig
     from deployments.encoders import PathEncoder
     from deployments.router import Router
-    base = variant.removesuffix("-wait")
+    decode = re.search(r"-decode(\d+)$", variant)
+    base = variant.removesuffix("-wait").removesuffix(decode.group(0) if decode else "")
     placement = base.removesuffix("-router-views").removesuffix("-one-encoder")
     gpus = {"separate": (1.0, 1.0), "shared": (0.5, 0.5)}[placement]
     if not torch.cuda.is_available():  # smoke: the same app on CPU
@@ -131,7 +134,8 @@ def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int,
                        gpu_memory_fraction_local=memory[1], encoder_cache_mb=0,  # every page encoded
                        views_on_encoder=not base.endswith("-router-views"),
                        one_encoder=base.endswith("-one-encoder"),
-                       encoder_batch_wait_ms=BATCH_WAIT_MS if variant.endswith("-wait") else 0)
+                       encoder_batch_wait_ms=BATCH_WAIT_MS if variant.endswith("-wait") else 0,
+                       **({"encoder_decode_threads": int(decode.group(1))} if decode else {}))
     if config.one_encoder:  # both paths in one process: the two GPU shares and memory caps
         encoders = [PathEncoder.options(name="Encoder", ray_actor_options={
             "num_cpus": ENCODER_CPUS, "num_gpus": sum(gpus)}).bind("both", config), None]

@@ -67,6 +67,10 @@ class AppConfig(BaseModel):
         "(under load the pages one batch answered come back together; the first decoded would "
         "otherwise run alone); a lone request never waits; 0: off (at 15 ms on an H200, 64 pages "
         "in flight: fewer, larger batches but fewer pages a second, so off by default)")
+    encoder_decode_threads: int = Field(
+        4, ge=1, le=64, description="threads an encoder replica decodes the image bytes it is sent "
+        "on (decode_on_encoder; PIL releases the GIL while it inflates): the pages one batch "
+        "answered come back together, and the GPU waits for the first of them")
     max_images_per_request: int = Field(16, ge=1, le=256, description="images in one request")
     max_request_mb: int = Field(64, ge=1, le=2048, description="largest request body (HTTP 413 above)")
     max_pages: int = Field(5000, ge=1, le=100_000, description="pages of one PDF (HTTP 413 above)")

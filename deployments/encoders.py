@@ -43,7 +43,6 @@ from .protocol import Wire, from_wire, to_wire, to_wire_all
 
 
 ViewSpec = tuple[str, str, tuple[int, int]]
-DECODE_THREADS = 4  # an Encoder's threads decoding the images sent as bytes
 
 
 @dataclass
@@ -123,7 +122,7 @@ class PathEncoder:
         self.views_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{path}-views")
         # Images sent as their bytes (decode_on_encoder) are decoded here as they arrive, a few
         # at once (PIL releases the GIL while it inflates).
-        self.decode_worker = ThreadPoolExecutor(max_workers=DECODE_THREADS,
+        self.decode_worker = ThreadPoolExecutor(max_workers=config.encoder_decode_threads,
                                                 thread_name_prefix=f"{path}-decode")
         self.views_stream = self.batch_stream = None  # CUDA: made with the engine
         self.engine = self.worker.submit(self._load, config, constructor_start, cuda).result()

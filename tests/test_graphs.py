@@ -197,18 +197,14 @@ def test_views_made_on_arrival_equal_views_made_in_the_batch():
     check_views_made_on_arrival()
 
 
-def test_an_encoder_waits_for_pages_still_decoding_when_asked(monkeypatch):
-    """encoder_batch_wait_ms: four pages that reach the one Encoder together, each decoded 0.1 s
-    after the one before, run as one batch; without it (0, the default) the first decoded runs
-    alone. The same sequences either way."""
-    pytest.importorskip("ray")
-    import asyncio
+def slowly_decoded_pages(monkeypatch) -> tuple[list, dict]:
+    """Four pages' headers whose decode on an encoder replica takes 0, 0.1, 0.2 and 0.3 s, and a
+    record of how many decodes ran at once at the most ("most")."""
     import io
+    import threading
     import time
 
     from deployments import encoders
-    from deployments.config import AppConfig
-    from deployments.protocol import from_wire
     from encoder.preprocess import read_header
 
     def png(im):
@@ -217,27 +213,69 @@ def test_an_encoder_waits_for_pages_still_decoding_when_asked(monkeypatch):
         return buf.getvalue()
     headers = [read_header(png(image(w, h, 90 + i))) for i, (w, h) in enumerate(MIXED[:4])]
     delay = {id(h): 0.1 * i for i, h in enumerate(headers)}
-    decode_header = encoders.decode_header
+    decode_header, lock, running = encoders.decode_header, threading.Lock(), {"now": 0, "most": 0}
 
     def slow_decode(header):
+        with lock:
+            running["now"] += 1
+            running["most"] = max(running["most"], running["now"])
         time.sleep(delay[id(header)])
+        with lock:
+            running["now"] -= 1
         return decode_header(header)
     monkeypatch.setattr(encoders, "decode_header", slow_decode)
+    return headers, running
+
+
+def serve_together(replica, headers) -> list:
+    """The headers sent to one Encoder replica all at once: their sequences, in order."""
+    import asyncio
+
+    from deployments.protocol import from_wire
+
+    async def together():
+        return await asyncio.gather(*(replica.encode(h, ("both", h.mode, h.grid)) for h in headers))
+    seqs = [from_wire(seq) for seq in asyncio.run(together())]
+    assert replica.on_the_way == 0
+    return seqs
+
+
+def test_an_encoder_waits_for_pages_still_decoding_when_asked(monkeypatch):
+    """encoder_batch_wait_ms: four pages that reach the one Encoder together, each decoded 0.1 s
+    after the one before, run as one batch; without it (0, the default) the first decoded runs
+    alone. The same sequences either way."""
+    pytest.importorskip("ray")
+    from deployments import encoders
+    from deployments.config import AppConfig
+    headers, _ = slowly_decoded_pages(monkeypatch)
 
     def served(wait_ms):
         replica = encoders.PathEncoder.func_or_class(
             "both", AppConfig(max_images=4, one_encoder=True, encoder_batch_wait_ms=wait_ms))
-
-        async def together():
-            return await asyncio.gather(*(replica.encode(h, ("both", h.mode, h.grid)) for h in headers))
-        seqs = [from_wire(seq) for seq in asyncio.run(together())]
-        assert replica.on_the_way == 0
-        return seqs, dict(replica.request_batches)
+        return serve_together(replica, headers), dict(replica.request_batches)
     waited, batches = served(1000)
     assert batches == {4: 1}
     at_once, batches = served(0)
     assert batches[1] >= 1 and sum(n * count for n, count in batches.items()) == 4
     for a, b in zip(waited, at_once):
+        assert torch.equal(a, b)
+
+
+def test_an_encoder_decodes_on_as_many_threads_as_configured(monkeypatch):
+    """encoder_decode_threads: with one thread the four pages decode one at a time, with four
+    (the default) the slow ones at once; the same sequences either way."""
+    pytest.importorskip("ray")
+    from deployments import encoders
+    from deployments.config import AppConfig
+    headers, running = slowly_decoded_pages(monkeypatch)
+    results = {}
+    for threads in (1, 4):
+        running["most"] = 0
+        replica = encoders.PathEncoder.func_or_class(
+            "both", AppConfig(max_images=4, one_encoder=True, encoder_decode_threads=threads))
+        results[threads] = serve_together(replica, headers)
+        assert running["most"] == 1 if threads == 1 else running["most"] >= 3
+    for a, b in zip(results[1], results[4]):
         assert torch.equal(a, b)
 
 
