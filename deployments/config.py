@@ -69,8 +69,8 @@ class AppConfig(BaseModel):
         "in flight: fewer, larger batches but fewer pages a second, so off by default)")
     encoder_decode_threads: int = Field(
         4, ge=1, le=64, description="threads an encoder replica decodes the image bytes it is sent "
-        "on (decode_on_encoder; PIL releases the GIL while it inflates): the pages one batch "
-        "answered come back together, and the GPU waits for the first of them")
+        "on (decode_on_encoder; PIL releases the GIL while it inflates); 12 were no faster than 4 "
+        "on an H200 at 64 pages in flight")
     max_images_per_request: int = Field(16, ge=1, le=256, description="images in one request")
     max_request_mb: int = Field(64, ge=1, le=2048, description="largest request body (HTTP 413 above)")
     max_pages: int = Field(5000, ge=1, le=100_000, description="pages of one PDF (HTTP 413 above)")
