@@ -8,9 +8,10 @@
 #   bash bench/gpu_session.sh tune-moe  # the fused MoE kernels' tiles, decode and prefill (bench/tune_moe_kernel.py)
 #   bash bench/gpu_session.sh compile   # compile_bench --all_budgets twice (cold, warm cache), compile test
 #   bash bench/gpu_session.sh serve     # GPU tests that need Ray, the decode and hop probes, serve_bench with py-spy samples
-#                                       # (its variants with and without the batch wait; needs the Ray bundle)
+#                                       # (default, one_encoder, encoder_in_router; needs the Ray bundle)
 #   bash bench/gpu_session.sh e2e       # e2e_bench (needs the Ray bundle)
 #   bash bench/gpu_session.sh e2e-one-encoder   # e2e_bench of gpu-shared-one-encoder.yaml
+#   bash bench/gpu_session.sh e2e-encoder-in-router   # e2e_bench of gpu-shared-encoder-in-router.yaml
 #   bash bench/gpu_session.sh startup   # e2e_bench's cold start and one page alone, three ways (~5 min)
 #
 # Results go to $OUT (the device tool brings them back) or bench/results. The Ray bundle and
@@ -30,7 +31,7 @@ ray_bundle() {
   export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH"
 }
 
-case "${1:?phase: encoder, kernels, decoder, tune-moe, compile, serve, e2e, e2e-one-encoder or startup}" in
+case "${1:?phase: encoder, kernels, decoder, tune-moe, compile, serve, e2e, e2e-one-encoder, e2e-encoder-in-router or startup}" in
   encoder)
     if [ -f .devpkgs/ray-site.tar.xz ] && [ -d .whl ]; then ray_bundle; fi  # the deployment test needs Ray
     python3 -m pytest -q -rs -m gpu tests/test_checkpoint.py tests/test_resize.py tests/test_graphs.py tests/test_attention.py \
@@ -75,7 +76,7 @@ case "${1:?phase: encoder, kernels, decoder, tune-moe, compile, serve, e2e, e2e-
       | tee "$out/gpu-tests-serve.txt" | tail -4 || echo "GPU TESTS FAILED"
     python3 bench/decode_probe.py 2>&1 | grep "process\|actor"  # the page's decode, in process and in an actor
     python3 bench/serve_hop_probe.py --out "$out" 2>&1 | grep " ms$"  # bare Serve calls, no app code
-    python3 bench/serve_bench.py --variants shared shared-one-encoder shared-wait shared-one-encoder-wait \
+    python3 bench/serve_bench.py --variants shared shared-one-encoder shared-encoder-in-router \
       --py_spy "$out" --out "$out" 2>&1 \
       | grep -v " INFO \| WARNING " | tail -40
     ;;
@@ -83,9 +84,9 @@ case "${1:?phase: encoder, kernels, decoder, tune-moe, compile, serve, e2e, e2e-
     ray_bundle
     python3 bench/e2e_bench.py --out "$out" 2>&1 | tail -40
     ;;
-  e2e-one-encoder)  # the same with both encoder paths in one process (one_encoder)
+  e2e-one-encoder|e2e-encoder-in-router)  # the same with both encoder paths in one process
     ray_bundle
-    python3 bench/e2e_bench.py --config gpu-shared-one-encoder.yaml --name e2e-one-encoder --out "$out" 2>&1 | tail -40
+    python3 bench/e2e_bench.py --config "gpu-shared-${1#e2e-}.yaml" --name "$1" --out "$out" 2>&1 | tail -40
     ;;
   startup)
     # Cold start three ways, one shared checkpoint: without and with Ray's workers preloading

@@ -14,7 +14,9 @@ Through Serve (encode-only app: Router -> GlobalEncoder + LocalEncoder, no decod
 at once, waited for together (`pages_per_s_c64_burst`: the pipeline fills and drains in it).
 Variants: "shared" (both encoders on one GPU at num_gpus 0.5 with memory caps), "separate"
 (each encoder on its own GPU; needs 2), "shared-one-encoder" (one_encoder: both paths in one
-Encoder process on the GPU, one call per page) and "shared-router-views" (views_on_encoder=false:
+Encoder process on the GPU, one call per page), "shared-encoder-in-router" (encoder_in_router:
+that Encoder inside the one Router replica, which takes the GPU share: one Serve call per page)
+and "shared-router-views" (views_on_encoder=false:
 the routers make the views with PIL, the reference path and the design before); any of them
 with "-wait" after it: the encoders' batches wait for pages still decoding
 (`encoder_batch_wait_ms`, BATCH_WAIT_MS), or "-decode<N>": N decode threads per encoder
@@ -24,7 +26,7 @@ repetitions of (Serve rep i) / (in-process rep i). This process takes the replic
 settings (`common.allocator`), so in-process and Serve decode alike. `hops_one_at_a_time`: a
 page's time outside the replicas' own stages. `--py_spy DIR` samples the first variant's
 encoders, one router and this driver under load (py-spy on PATH). Writes serve-<date>.json; its
-summary holds the worst ratio over the view-on-encoder variants run.
+summary holds the worst ratio over the view-on-encoder variants run, and each variant's.
 """
 from __future__ import annotations
 
@@ -125,7 +127,8 @@ def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int,
     from deployments.router import Router
     decode = re.search(r"-decode(\d+)$", variant)
     base = variant.removesuffix("-wait").removesuffix(decode.group(0) if decode else "")
-    placement = base.removesuffix("-router-views").removesuffix("-one-encoder")
+    placement = (base.removesuffix("-router-views").removesuffix("-one-encoder")
+                 .removesuffix("-encoder-in-router"))
     gpus = {"separate": (1.0, 1.0), "shared": (0.5, 0.5)}[placement]
     if not torch.cuda.is_available():  # smoke: the same app on CPU
         gpus = (0, 0)
@@ -134,9 +137,15 @@ def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int,
                        gpu_memory_fraction_local=memory[1], encoder_cache_mb=0,  # every page encoded
                        views_on_encoder=not base.endswith("-router-views"),
                        one_encoder=base.endswith("-one-encoder"),
+                       encoder_in_router=base.endswith("-encoder-in-router"),
                        encoder_batch_wait_ms=BATCH_WAIT_MS if variant.endswith("-wait") else 0,
                        **({"encoder_decode_threads": int(decode.group(1))} if decode else {}))
-    if config.one_encoder:  # both paths in one process: the two GPU shares and memory caps
+    routers = {"num_replicas": ROUTERS, "ray_actor_options": {"num_cpus": ROUTER_CPUS}}
+    if config.encoder_in_router:  # one Router with the Encoder's share and torch threads
+        encoders = [None, None]
+        routers = {"num_replicas": 1, "ray_actor_options": {"num_cpus": ENCODER_CPUS,
+                                                             "num_gpus": sum(gpus)}}
+    elif config.one_encoder:  # both paths in one process: the two GPU shares and memory caps
         encoders = [PathEncoder.options(name="Encoder", ray_actor_options={
             "num_cpus": ENCODER_CPUS, "num_gpus": sum(gpus)}).bind("both", config), None]
     else:
@@ -144,12 +153,13 @@ def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int,
                                         ray_actor_options={"num_cpus": ENCODER_CPUS, "num_gpus": g}
                                         ).bind(path, config)
                     for path, g in zip(("global", "local"), gpus)]
-    router = Router.options(num_replicas=ROUTERS, ray_actor_options={"num_cpus": ROUTER_CPUS}).bind(
-        *encoders, None, config)
+    router = Router.options(**routers).bind(*encoders, None, config)
     handle = serve.run(router, name=f"bench-{variant}", route_prefix=f"/{variant}")
     rows, stages, encoder_stages = [], None, None
 
     def encoder_stats() -> dict:
+        if config.encoder_in_router:
+            return {"Encoder": handle.stats.remote().result()["encoder"]}
         names = ["Encoder"] if config.one_encoder else ["GlobalEncoder", "LocalEncoder"]
         return {name: serve.get_deployment_handle(name, f"bench-{variant}").stats.remote().result()
                 for name in names}
@@ -172,7 +182,8 @@ def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int,
                   for name, stats in encoder_stats().items()}
     if profile_dir:  # where the CPU time goes under load: 64 in flight, again and again
         pids = {name: stats["pid"] for name, stats in encoder_stats().items()}
-        pids |= {"Router": handle.stats.remote().result()["pid"], "driver": os.getpid()}
+        router_pid = handle.stats.remote().result()["pid"]
+        pids |= {"driver": os.getpid(), **({} if router_pid in pids.values() else {"Router": router_pid})}
         samplers = py_spy(pids, 4, profile_dir)
         deadline = time.perf_counter() + 5
         while time.perf_counter() < deadline:
@@ -233,6 +244,7 @@ def main(argv=None):
     parser.add_argument("--py_spy", metavar="DIR", help="sample the first variant's encoder(s), "
                         "one router and this driver under load with py-spy, into DIR")
     parser.add_argument("--variants", nargs="+", default=["shared", "shared-one-encoder",
+                                                          "shared-encoder-in-router",
                                                           "shared-router-views"],
                         help="besides 'separate' (run when there are 2 GPUs)")
     opts = parser.parse_args(argv)
@@ -271,6 +283,7 @@ def main(argv=None):
         "router_views_throughput_ratio_c64_vs_encode_only":
             variants["shared-router-views"]["throughput_ratio_c64_vs_encode_only"]
             if "shared-router-views" in variants else None,
+        "by_variant": {name: {key: r[key] for key in TARGETS} for name, r in variants.items()},
         "variants_run": sorted(variants), "reps": opts.reps, "targets": TARGETS}
     summary["met"] = {
         "latency_ratio_p50": summary["latency_ratio_p50"] <= TARGETS["latency_ratio_p50"],

@@ -1,4 +1,5 @@
-"""The application: Router -> (GlobalEncoder, LocalEncoder; or one Encoder) -> Decoder.
+"""The application: Router -> (GlobalEncoder, LocalEncoder; or one Encoder; or the encoder in
+the Router's process) -> Decoder.
 
     serve run deployments.app:app                        # tiny random model, CPU
     serve run deployments.app:build checkpoint=/path/to/DeepSeek-OCR max_images=32
@@ -26,7 +27,9 @@ def build(config: AppConfig) -> Application:
         raise FileNotFoundError(f"checkpoint {config.checkpoint!r} has no config.json: give the "
                                 f"local directory of DeepSeek-OCR's released files (config.json, "
                                 f"model*.safetensors, tokenizer.json)")
-    if config.one_encoder:  # both paths in one deployment; the Router calls it for both
+    if config.encoder_in_router:  # both paths in the Router's own process: no encoder deployment
+        encoders = [None, None]
+    elif config.one_encoder:  # both paths in one deployment; the Router calls it for both
         encoders = [PathEncoder.options(name="Encoder").bind("both", config), None]
     else:
         encoders = [PathEncoder.options(name=f"{path.capitalize()}Encoder").bind(path, config)

@@ -48,6 +48,11 @@ class AppConfig(BaseModel):
         "call per image, the paths overlapping on two CUDA streams as in-process (for one "
         "shared GPU; needs views_on_encoder); false: GlobalEncoder and LocalEncoder, each "
         "placed and scaled on its own")
+    encoder_in_router: bool = Field(
+        False, description="both encoder paths in the Router's own process (its replica takes the "
+        "GPU share; for one-GPU nodes): one Serve call per image instead of two, no encoder "
+        "deployment; the Router then scales with the GPUs (needs views_on_encoder; "
+        "deployments/configs/gpu-shared-encoder-in-router.yaml)")
     views_on_encoder: bool = Field(
         True, description="routers resize nothing (they send the image: decode_on_encoder); the "
         "encoders make the views on their "
@@ -113,7 +118,8 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_encoder_makes_the_views(self):
-        if self.one_encoder and not self.views_on_encoder:
-            raise ValueError("one_encoder needs views_on_encoder: the one Encoder makes both "
-                             "paths' views from the decoded image it is sent")
+        for name in ("one_encoder", "encoder_in_router"):
+            if getattr(self, name) and not self.views_on_encoder:
+                raise ValueError(f"{name} needs views_on_encoder: one engine makes both paths' "
+                                 f"views from the decoded image")
         return self

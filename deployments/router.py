@@ -1,4 +1,6 @@
-"""The Router: HTTP ingress and Python handle methods; no model math, no GPU.
+"""The Router: HTTP ingress and Python handle methods; no model math, no GPU (but with
+encoder_in_router, on one-GPU nodes, it runs the Encoder's class of deployments/encoders.py in
+its own process, on its GPU share, instead of calling an Encoder deployment).
 
 (No `from __future__ import annotations` here: FastAPI reads the endpoint annotations at runtime.)
 
@@ -12,7 +14,8 @@ One request, top to bottom (`_ocr`):
      they are ready (views_on_encoder, the default: the image to both, each making its path's
      views, as its PNG or JPEG bytes with their header (decode_on_encoder; the router only read
      the header) or else decoded; one_encoder: to the one Encoder, which decodes, makes,
-     encodes and assembles both); each encoder batches across requests;
+     encodes and assembles both; encoder_in_router: that Encoder in this process, no Serve
+     call); each encoder batches across requests;
   4. assemble each image's sequence (local grid + newlines, global, separator);
   5. decode: the Decoder generates from the prompt ids and the image embeddings;
   6. respond: text, finish reason, usage, per-stage timings.
@@ -51,6 +54,7 @@ from . import openai_api
 from . import pages
 from .config import AppConfig
 from .encoded_cache import EncodedCache, content_key
+from .encoders import PathEncoder
 from .media import crop_image_blocks, decode_data_url, read_image_url
 from .metrics import medians, router_metrics
 from .model_source import prepare_replica_process, replica_id, resolve_checkpoint
@@ -214,12 +218,15 @@ def _handle_source(image, document) -> Document:
 @serve.deployment(max_ongoing_requests=200, ray_actor_options={"num_cpus": 0.25})
 @serve.ingress(api)
 class Router:
-    def __init__(self, global_encoder: DeploymentHandle, local_encoder: DeploymentHandle | None,
+    def __init__(self, global_encoder: DeploymentHandle | None, local_encoder: DeploymentHandle | None,
                  decoder: DeploymentHandle | None, config: AppConfig):
-        """`local_encoder` None: `global_encoder` is the one Encoder of both paths (one_encoder)."""
+        """`local_encoder` None: `global_encoder` is the one Encoder of both paths (one_encoder);
+        both None (encoder_in_router): this replica runs that Encoder's class itself, on its
+        GPU share, and calls it in-process."""
         prepare_replica_process()
         send_tensors_out_of_band()  # the sequences Router.encode returns
         self.global_encoder, self.local_encoder, self.decoder = global_encoder, local_encoder, decoder
+        self.encoder = PathEncoder.func_or_class("both", config) if config.encoder_in_router else None
         self.config = config
         directory, self.model_label = resolve_checkpoint(config.checkpoint)
         specials = read_tensors(directory, lambda k: k in ("model.image_newline", "model.view_seperator"))
@@ -283,9 +290,17 @@ class Router:
                 yield event
 
     def stats(self) -> dict:
+        """This replica's; with encoder_in_router its encoder's stats under `encoder`."""
         return {"model": self.model_label, "replica": replica_id(), "pid": os.getpid(),
                 "requests": len(self.recent), **_memory_mb(),
-                "encoder_cache": self.cache.stats() if self.cache else None}
+                "encoder_cache": self.cache.stats() if self.cache else None,
+                **({"encoder": self.encoder.stats()} if self.encoder is not None else {})}
+
+    async def check_health(self):
+        """With encoder_in_router, the encoder's health check (a CUDA fault, a stuck batch) is
+        this replica's: Serve replaces the Router with its encoder."""
+        if self.encoder is not None:
+            await self.encoder.check_health()
 
     def timings(self) -> dict:
         """Median ms per stage over the last 1,000 requests: preprocess (decoding, when the
@@ -507,8 +522,9 @@ class Router:
         sent = pending if isinstance(pending, ImageHeader) else (
             to_wire(pending.pixels) if isinstance(pending, DecodedImage) else None)
         if self.local_encoder is None:  # one_encoder: one call decodes, encodes and assembles
-            seq = await call_with_retry(self.global_encoder.encode, sent,
-                                        ("both", pending.mode, pending.grid))
+            view = ("both", pending.mode, pending.grid)
+            seq = (await self.encoder.encode(sent, view) if self.encoder is not None  # in-process
+                   else await call_with_retry(self.global_encoder.encode, sent, view))
             return self._assembled(image, from_wire(seq), start, image.decode_ms)
         if sent is not None:
             # One copy into the object store for both encoders (each call would make its own).
@@ -643,12 +659,14 @@ class Router:
         refused = self._refuse_without_key(request)
         if refused is not None:
             return refused
-        tiers = ({"Encoder": self.global_encoder} if self.local_encoder is None else
+        tiers = ({"Encoder": self.encoder or self.global_encoder} if self.local_encoder is None else
                  {"GlobalEncoder": self.global_encoder, "LocalEncoder": self.local_encoder})
         if self.decoder is not None:
             tiers["Decoder"] = self.decoder
 
         async def state(handle):
+            if handle is self.encoder:  # in this process: ready, as this replica answers
+                return self.encoder.ready()
             try:
                 return await asyncio.wait_for(handle.ready.remote(), timeout=1.0)
             except Exception as e:  # noqa: BLE001 - not up yet, or failing: both mean not ready

@@ -52,13 +52,16 @@ def test_e2e_bench_smoke(tmp_path):
 
 
 def test_serve_bench_smoke(tmp_path):
-    """The three one-GPU variants (encoders make the views; one Encoder makes and encodes
-    both paths; routers make them with PIL) run through Serve and their ratios are reported per
-    repetition's median."""
+    """The four one-GPU variants (encoders make the views; one Encoder makes and encodes
+    both paths; that Encoder inside the Router; routers make them with PIL) run through Serve
+    and their ratios are reported per repetition's median."""
     result = run_smoke("serve_bench.py", "serve", tmp_path)
     summary = result["summary"]
     assert summary["smoke"] is True
-    assert summary["variants_run"] == ["shared", "shared-one-encoder", "shared-router-views"]
+    assert summary["variants_run"] == ["shared", "shared-encoder-in-router", "shared-one-encoder",
+                                       "shared-router-views"]
+    assert set(summary["by_variant"]) == set(summary["variants_run"])
+    assert summary["by_variant"]["shared"]["latency_ratio_p50"] <= summary["latency_ratio_p50"]
     for variant in result["variants"].values():
         assert len(variant["reps"]) == 3 and all(r["p50_ms"] > 0 for r in variant["reps"])
         stages = variant["router_stages_p50_ms_one_at_a_time"]
@@ -71,7 +74,7 @@ def test_serve_bench_smoke(tmp_path):
         # (Differences of medians: on 2 busy cores a slow first call can make them negative.)
         assert {"serve_call_router_ms", "serve_call_encoder_ms", "router_unstaged_ms",
                 "encoder_unstaged_ms"} <= set(variant["hops_one_at_a_time"])
-    assert [v["views_on_encoder"] for v in result["variants"].values()] == [True, True, False]
+    assert [v["views_on_encoder"] for v in result["variants"].values()] == [True, True, True, False]
 
 
 def test_kernel_families_name_our_kernels():

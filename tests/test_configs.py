@@ -58,7 +58,8 @@ def test_schema_check_can_fail(cluster_schema):
 
 def serve_configs():
     out = {name: load(os.path.join(CONFIGS, f"{name}.yaml"))
-           for name in ("cpu-tiny", "gpu-shared", "gpu-separate", "gpu-shared-one-encoder")}
+           for name in ("cpu-tiny", "gpu-shared", "gpu-separate", "gpu-shared-one-encoder",
+                        "gpu-shared-encoder-in-router")}
     out["kuberay"] = yaml.safe_load(load(os.path.join(CONFIGS, "kuberay-rayservice.yaml"))["spec"]["serveConfigV2"])
     return out
 
@@ -77,12 +78,14 @@ def code_defaults() -> dict:
 
 def expected_deployments(config: dict) -> set[str]:
     (app,) = config["applications"]
-    encoders = {"Encoder"} if app.get("args", {}).get("one_encoder") else {"GlobalEncoder", "LocalEncoder"}
+    args = app.get("args", {})
+    encoders = (set() if args.get("encoder_in_router") else {"Encoder"} if args.get("one_encoder")
+                else {"GlobalEncoder", "LocalEncoder"})
     return {"Router", "Decoder"} | encoders
 
 
 @pytest.mark.parametrize("name", ["cpu-tiny", "gpu-shared", "gpu-separate", "gpu-shared-one-encoder",
-                                  "kuberay"])
+                                  "gpu-shared-encoder-in-router", "kuberay"])
 def test_serve_configs_validate(name):
     config = serve_configs()[name]
     ServeDeploySchema.model_validate(config)
@@ -105,7 +108,8 @@ def test_serve_configs_validate(name):
     build(config)
 
 
-@pytest.mark.parametrize("name", ["cpu-tiny", "gpu-shared", "gpu-separate", "gpu-shared-one-encoder"])
+@pytest.mark.parametrize("name", ["cpu-tiny", "gpu-shared", "gpu-separate", "gpu-shared-one-encoder",
+                                  "gpu-shared-encoder-in-router"])
 def test_yamls_state_only_what_differs_from_the_code(name):
     """No number is both a code default and a YAML value: a YAML restating a default would
     silently stop following the code when the default changes."""
@@ -127,7 +131,7 @@ def test_kuberay_runs_the_gpu_separate_config():
     assert configs["kuberay"] == configs["gpu-separate"]
 
 
-@pytest.mark.parametrize("name", ["gpu-shared", "gpu-shared-one-encoder"])
+@pytest.mark.parametrize("name", ["gpu-shared", "gpu-shared-one-encoder", "gpu-shared-encoder-in-router"])
 def test_gpu_shared_fits_one_gpu(name):
     (app,) = serve_configs()[name]["applications"]
     gpus = sum(d["ray_actor_options"].get("num_gpus", 0) for d in app["deployments"])
@@ -140,6 +144,8 @@ def test_gpu_shared_fits_one_gpu(name):
     ({"chekpoint": "/x"}, "chekpoint"),
     ({"max_images": "0"}, "max_images"),
     ({"gpu_memory_fraction_local": 1.5}, "gpu_memory_fraction_local"),
+    ({"encoder_in_router": True, "views_on_encoder": False}, "encoder_in_router needs views_on_encoder"),
+    ({"one_encoder": True, "views_on_encoder": False}, "one_encoder needs views_on_encoder"),
 ])
 def test_app_arguments_are_checked(args, message):
     from pydantic import ValidationError

@@ -199,15 +199,18 @@ def test_encode_only_app_with_views_made_by_the_router(handle):
         serve.delete("encode-only")
 
 
-def test_one_encoder_app_equals_the_two_encoder_app(handle):
-    """one_encoder (both paths in one Encoder deployment, one call per image) gives the same
-    sequences and text as the default app; its Encoder batches images across requests, takes
-    untiled and tiled images, refuses malformed requests alone, and /ready names it."""
+@pytest.mark.parametrize("placement", ["one_encoder", "encoder_in_router"])
+def test_one_encoder_app_equals_the_two_encoder_app(handle, placement):
+    """one_encoder (both paths in one Encoder deployment, one call per image) and
+    encoder_in_router (that Encoder's class in the Router's process, no encoder deployment) give
+    the same sequences and text as the default app; the Encoder batches images across requests,
+    takes untiled and tiled images, refuses malformed requests alone, and /ready names it."""
     from deployments.app import build
     from deployments.protocol import from_wire, to_wire
     from encoder.preprocess import count_tokens
-    one = serve.run(build(AppConfig(one_encoder=True, max_len=2048, max_images=8)), name="one-encoder",
-                    route_prefix="/one")
+    name = placement.replace("_", "-")
+    one = serve.run(build(AppConfig(**{placement: True}, max_len=2048, max_images=8)), name=name,
+                    route_prefix=f"/{name}")
     try:
         for size, _ in CASES:
             (expected,) = handle.encode.remote(picture(size, sum(size))).result(timeout_s=300)
@@ -217,11 +220,26 @@ def test_one_encoder_app_equals_the_two_encoder_app(handle):
         image = picture((1191, 1684), 7)
         got = one.ocr.remote(image, max_tokens=8).result(timeout_s=300)
         assert got["text"] == handle.ocr.remote(image, max_tokens=8).result(timeout_s=300)["text"]
-        ready = requests.get(f"{URL}/one/ready", timeout=60).json()
+        ready = requests.get(f"{URL}/{name}/ready", timeout=60).json()
         assert ready["status"] == "ready" and set(ready["tiers"]) == {"Encoder", "Decoder"}
         assert ready["tiers"]["Encoder"]["path"] == "both"
+        # A PNG whose header reads but whose pixels do not: that request fails alone, naming it.
+        broken = png(picture((900, 700), 3))[:2000]
+        with pytest.raises(Exception, match="(?i)image"):
+            one.encode.remote(broken).result(timeout_s=60)
+        (seq,) = one.encode.remote(image).result(timeout_s=300)
+        assert seq.shape[0] == 903
 
-        encoder = serve.get_deployment_handle("Encoder", "one-encoder")
+        if placement == "encoder_in_router":
+            deployments = serve.status().applications[name].deployments
+            assert set(deployments) == {"Router", "Decoder"}
+            calls = [one.encode.remote(png(picture((1400, 700), i))) for i in range(12)]
+            assert all(c.result(timeout_s=300)[0].shape[0] == count_tokens((2, 1)) for c in calls)
+            stats = one.stats.remote().result()["encoder"]  # batched across the handle's calls
+            assert max(stats["requests_per_batch"]) > 1, stats
+            assert stats["path"] == "both" and set(stats) >= {"global", "local"}
+            return
+        encoder = serve.get_deployment_handle("Encoder", name)
         pixels = to_wire(torch.zeros(3, 700, 1400, dtype=torch.uint8))
         calls = [encoder.encode.remote(pixels, ("both", "gundam", grid)) for grid in [(2, 1), (1, 1)] * 6]
         for call, grid in zip(calls, [(2, 1), (1, 1)] * 6):
@@ -235,7 +253,7 @@ def test_one_encoder_app_equals_the_two_encoder_app(handle):
             with pytest.raises(Exception, match=message):
                 encoder.encode.remote(pixels, view).result(timeout_s=60)
     finally:
-        serve.delete("one-encoder")
+        serve.delete(name)
 
 
 def test_encoders_refuse_bad_decoded_requests_alone(handle):
