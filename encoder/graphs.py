@@ -43,6 +43,7 @@ from scheduler import Item, PathBudgets, PathPlan, PathStats, Planner, default_b
 from .model import DeepEncoder, assemble
 from .preprocess import PreprocessedImage, decode, preprocess, views_of
 from .resize import supported as resize_supported
+from .resize import warm_up as resize_warm_up
 
 log = logging.getLogger(__name__)
 GB = 1024 ** 3
@@ -87,8 +88,10 @@ class CaptureReport:
 class PathGraphs:
     def __init__(self, name: str, forward, budgets: PathBudgets, view_shape: tuple[int, int, int],
                  device, use_graphs: bool | None = None, max_memory_gb: float | None = None,
-                 warmup: int = 2):
+                 warmup: int = 2, compile_also=None):
+        """`compile_also()`: more work whose Triton kernels compile with this path's, ahead."""
         self.name, self.forward, self.budgets = name, forward, budgets
+        self.compile_also = compile_also
         self.view_shape, self.device = tuple(view_shape), torch.device(device)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         if self.use_graphs and self.device.type != "cuda":
@@ -119,6 +122,8 @@ class PathGraphs:
         def forwards():
             for budget in largest_two:
                 self.forward(self._views(budget // self.budgets.unit))
+            if self.compile_also is not None:
+                self.compile_also()
         with torch.inference_mode():
             self.report.compile_ahead_s = compile_ahead(forwards)
         for budget in sorted(self.budgets.budgets, reverse=True):
@@ -235,13 +240,16 @@ class DualPathEncoder:
             forward_global, forward_local = torch.compile(forward_global), torch.compile(forward_local)
         self.global_path = self.local_path = None
         left = max_graph_memory_gb
+        # The views' resize kernel compiles ahead with the first path's kernels.
+        views = (lambda: resize_warm_up(encoder.device)) if views_on_device else None
         if "global" in paths:
             self.global_path = PathGraphs("global", forward_global, global_budgets, (3, 1024, 1024),
-                                          encoder.device, use_graphs, left)
+                                          encoder.device, use_graphs, left, compile_also=views)
             left = None if left is None else left - self.global_path.report.memory_bytes / GB
+            views = None
         if "local" in paths:
             self.local_path = PathGraphs("local", forward_local, local_budgets, (3, 640, 640),
-                                         encoder.device, use_graphs, left)
+                                         encoder.device, use_graphs, left, compile_also=views)
         self.planner = Planner(global_budgets, local_budgets, max_images)
         self._side = None  # the global path's CUDA stream when both paths run (_run_both)
 

@@ -15,20 +15,27 @@ The model was trained on PIL's pixels, so the GPU path must give exactly those, 
   by more than twice as many pixels as the width; which rule the installed Pillow follows is
   probed once (`pil_rule`), and where it matches neither the exact path is off (`supported`).
 
-The reference twin is PIL itself (`preprocess.py`); the tests compare the two on many sizes.
+The reference twin is PIL itself (`preprocess.py`); the tests compare the two on many sizes. On a
+GPU a pass is one Triton kernel (`triton_resize.py`), its twin torch's ops (`_resample_torch`).
 """
 from __future__ import annotations
 
 import functools
 import math
+import os
 
 import numpy as np
 import torch
+
+from .relpos_attention import triton_enabled
 
 PRECISION_BITS = 22  # Pillow: 32 - 8 - 2
 _HALF = 1 << (PRECISION_BITS - 1)
 # Gathered int32 elements per chunk of a pass: bounds the temporary memory of huge images.
 _CHUNK_ELEMENTS = 1 << 26
+# On a GPU each pass is one Triton kernel (`triton_resize.py`: the same integer arithmetic);
+# DEEPSEEK_OCR_FUSED_RESIZE=0 (or this flag) keeps torch's ops, the reference twin.
+FUSED_PASS = os.environ.get("DEEPSEEK_OCR_FUSED_RESIZE", "1") != "0"
 
 
 def _bicubic(x: np.ndarray) -> np.ndarray:
@@ -67,13 +74,35 @@ def coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=256)
-def _device_coefficients(in_size: int, out_size: int, device: torch.device):
+def _device_coefficients(in_size: int, out_size: int, device: torch.device, index_dtype=torch.int64):
     index, weights = coefficients(in_size, out_size)
-    return torch.from_numpy(index).to(device), torch.from_numpy(weights).to(device)
+    return torch.from_numpy(index).to(device, index_dtype), torch.from_numpy(weights).to(device)
+
+
+@functools.cache
+def _triton_resize():
+    """encoder.triton_resize, or None where Triton is missing or switched off."""
+    if not triton_enabled():
+        return None
+    try:
+        from . import triton_resize
+    except ImportError:
+        return None
+    return triton_resize
 
 
 def _resample(x: torch.Tensor, dim: int, out_size: int) -> torch.Tensor:
-    """One pass over `dim` (1 = rows, 2 = columns) of uint8 x [C, H, W]."""
+    """One pass over `dim` (1 = rows, 2 = columns) of uint8 x [C, H, W]: on a GPU one Triton
+    kernel (`triton_resize`), else torch's ops (`_resample_torch`, the reference twin)."""
+    kernel = _triton_resize() if x.is_cuda and FUSED_PASS else None
+    if kernel is None:
+        return _resample_torch(x, dim, out_size)
+    index, weights = _device_coefficients(x.shape[dim], out_size, x.device, torch.int32)
+    return kernel.resample(x, dim, index, weights, PRECISION_BITS)
+
+
+def _resample_torch(x: torch.Tensor, dim: int, out_size: int) -> torch.Tensor:
+    """`_resample` in torch's ops: the taps gathered, multiplied, summed, shifted, clamped."""
     index, weights = _device_coefficients(x.shape[dim], out_size, x.device)
     ksize = weights.shape[1]
     other = 3 - dim  # the dimension chunked to bound the gathered temporary
@@ -125,6 +154,12 @@ def pil_rule() -> str | None:
 
 def supported() -> bool:
     return pil_rule() is not None
+
+
+def warm_up(device) -> None:
+    """One tiny resize on `device`, both passes: inside `compile_ahead` (graphs.py) the pass's
+    Triton kernel compiles with the encoder's, instead of in the first request's views."""
+    _passes(torch.zeros((1, 4, 6), dtype=torch.uint8, device=device), (3, 2), vertical_first=False)
 
 
 def resize(pixels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

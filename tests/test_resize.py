@@ -13,6 +13,7 @@ from PIL import Image
 from encoder import resize as exact
 from encoder.preprocess import (MODES, crops_of, decode, global_view_of, preprocess,
                                 start_preprocess, views_of)
+from tests.conftest import run_in_triton_interpreter
 
 
 def pil_resize(array: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
@@ -128,3 +129,45 @@ def test_views_on_the_gpu_equal_pil():
         assert views.global_view.is_cuda
         assert torch.equal(views.global_view.cpu(), reference.global_view)
         assert torch.equal(views.crops.cpu(), reference.crops)
+
+
+RESIZE_KERNEL_SCRIPT = """
+import numpy as np
+import torch
+from encoder import resize
+from encoder.triton_resize import resample
+rng = np.random.default_rng(0)
+# (src w, h), (out w, h), channels: up and down, one channel and three, a 31-tap downscale
+for (w, h), (ow, oh), c in [((37, 23), (50, 11), 3), ((64, 200), (20, 64), 1), ((300, 40), (41, 9), 1)]:
+    x = torch.from_numpy(rng.integers(0, 256, (c, h, w), dtype=np.uint8))
+    for dim, out in ((2, ow), (1, oh)):
+        index, weights = resize._device_coefficients(x.shape[dim], out, x.device, torch.int32)
+        got = resample(x, dim, index, weights, resize.PRECISION_BITS)
+        assert torch.equal(got, resize._resample_torch(x, dim, out)), ((w, h), dim)
+print("resize kernel ok")
+"""
+
+
+def test_resize_kernel_equals_torchs_pass_in_interpreter_mode():
+    """The one-kernel pass (triton_resize) against torch's ops, its twin, on both axes."""
+    pytest.importorskip("triton")
+    assert "resize kernel ok" in run_in_triton_interpreter(RESIZE_KERNEL_SCRIPT)
+
+
+@pytest.mark.gpu
+def test_resize_kernel_equals_torchs_pass_on_the_gpu(monkeypatch):
+    """On the GPU: pages' sizes and random ones, the kernel's passes against torch's (the switch
+    off), and against PIL."""
+    pytest.importorskip("triton")
+    rng = np.random.default_rng(1)
+    cases = [((1191, 1684), (1280, 1920)), ((1191, 1684), (724, 1024)), ((4000, 3000), (1024, 768)),
+             ((57, 285), (9, 156))]
+    cases += [(tuple(rng.integers(1, 900, 2)), tuple(rng.integers(1, 900, 2))) for _ in range(20)]
+    for i, (src, size) in enumerate(cases):
+        array = rng.integers(0, 256, (src[1], src[0]) if i % 2 else (src[1], src[0], 3), dtype=np.uint8)
+        x = chw(array).cuda()
+        monkeypatch.setattr(exact, "FUSED_PASS", True)
+        fused = exact.resize(x, size)
+        monkeypatch.setattr(exact, "FUSED_PASS", False)
+        assert torch.equal(fused, exact.resize(x, size)), (src, size)
+        assert torch.equal(fused.cpu(), pil_resize(array, size)), (src, size)
