@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of issue 14, one phase per call of under ten minutes, on one H200.
 #
-#   bash bench/gpu_session.sh encoder   # GPU tests (encoder, views, decoder), graph_bench, the page probes
+#   bash bench/gpu_session.sh encoder   # GPU tests (encoder, views, decoder), graph_bench, the page and views probes
 #   bash bench/gpu_session.sh kernels   # encoder kernel tiles tuned and written, GELU epilogue, graph_bench, GPU tests
 #   bash bench/gpu_session.sh decoder   # decoder GPU tests, decoder_bench (prefill kernels against their
 #                                       # twins) and profile, both experts kernels
@@ -40,6 +40,7 @@ case "${1:?phase: encoder, kernels, decoder, tune-moe, compile, serve, e2e, e2e-
     python3 bench/graph_bench.py --out "$out" 2>&1 | tail -30
     python3 bench/page_b1_probe.py --out "$out" 2>&1 | grep -v " stream " | tail -30  # one page, where the time goes
     python3 bench/staging_probe.py --out "$out" 2>&1 | grep "^copy\|^launch"  # host views' copies and launches
+    python3 bench/views_probe.py 2>&1 | grep "ms GPU\|identical"  # the views' GPU time, resize kernel vs torch's ops
     ;;
   kernels)  # the encoder's kernel choices measured, the tuned tiles written, then graph_bench and GPU tests
     python3 bench/mlp_epilogue_bench.py --out "$out" 2>&1 | tail -5
