@@ -5,8 +5,9 @@
 For the e2e bench's text page ("L" PNG, 2x3 crops) and a colour page: `views_of` from pixels
 already on the GPU, wall clock with a sync (launches included), and the sum of its kernels'
 GPU times (torch.profiler), with their count; each resize pass in torch's ops (the twin) and
-as one Triton kernel (`triton_resize.py`), and whether the two made the same views. Under load the encoders make views on a stream of
-their own, beside the batches: the kernels' GPU time is what they take from the encoding.
+as one Triton kernel (`triton_resize.py`), and whether the two made the same views. Under load
+the encoders make views on a stream of their own, beside the batches: the kernels' GPU time is
+what they take from the encoding.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One pass of PIL's bicubic resize (resize.py) in one kernel (Triton, CUDA).
 
-Torch's pass (`resize._resample`) is five kernels over a widening temporary: the taps gathered
+Torch's pass (`resize._resample_torch`, the twin) is five kernels over a widening temporary: the taps gathered
 as uint8, multiplied into int32 [.., out, taps], summed, shifted, clamped and cast; a text page's
 views took 33 kernels and 0.48 ms of GPU time, a colour page's 1.42 ms (H200,
 `bench/views_probe.py`), on the GPU the encoder's batches run on. Here each output pixel reads
@@ -47,7 +47,7 @@ def resample(x: torch.Tensor, dim: int, index: torch.Tensor, weights: torch.Tens
              precision_bits: int) -> torch.Tensor:
     """One pass over `dim` (1 = rows, 2 = columns) of uint8 x [C, H, W]: output position o is
     sum_k x[.., index[o, k], ..] * weights[o, k] (int32 [out, taps] each), rounded, shifted by
-    `precision_bits` and clamped, as `resize._resample`."""
+    `precision_bits` and clamped, as `resize._resample_torch`."""
     x = x.contiguous()
     out_len, ksize = weights.shape
     outer = x.shape[0] * (x.shape[1] if dim == 2 else 1)
