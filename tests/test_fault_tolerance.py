@@ -1,8 +1,11 @@
 """Replica loss and faults: the router retries encoder calls, an encoder replica with a broken
-CUDA context fails its health check (no Ray cluster needed)."""
+CUDA context fails its health check, and so does a Router with the encoder inside (no Ray
+cluster needed)."""
 import asyncio
+import io
 
 import pytest
+from PIL import Image
 
 pytest.importorskip("ray")
 from ray.exceptions import RayActorError  # noqa: E402
@@ -24,6 +27,11 @@ class FlakyMethod:
                 raise self.error()
             return args
         return answer()
+
+
+def cuda_fault(*args):
+    """Stands in for the engine's run when the CUDA context has faulted."""
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
 
 def test_retries_replica_loss_then_succeeds():
@@ -57,11 +65,34 @@ def test_encoder_replica_reports_a_cuda_fault_to_its_health_check(monkeypatch):
     decoded = Request((np.zeros((1, 700, 500), np.uint8), "uint8"), ("global", "gundam", (1, 2)))
     assert [r[0].shape[0] for r in encoder._run_batch([view, decoded])] == [272, 272]  # a real batch runs
 
-    def cuda_fault(*args):
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
     monkeypatch.setattr(encoder.engine, "run", cuda_fault)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         encoder._run_batch([view])  # the body of the @serve.batch handler
     with pytest.raises(RuntimeError, match="unusable after"):
         asyncio.run(encoder.check_health())
+
+
+def test_router_with_the_encoder_inside_fails_its_health_check_with_the_encoder(monkeypatch):
+    """encoder_in_router: the Router encodes through the encoder in its process, and its own
+    health check is the encoder's, so a CUDA fault in a batch gets the Router (and with it the
+    encoder) replaced."""
+    from deployments.config import AppConfig
+    from deployments.router import Router
+    router_class = Router.func_or_class.__bases__[0]  # the class under Serve's ASGI wrapper
+    router = router_class(None, None, None, AppConfig(encoder_in_router=True, encode_only=True,
+                                                      encoder_cache_mb=0))  # every call encodes
+    asyncio.run(router.check_health())  # healthy
+    assert router.stats()["encoder"]["path"] == "both"
+
+    page = io.BytesIO()
+    Image.new("L", (900, 1300), 255).save(page, "PNG")
+
+    async def encode_then_fault():  # one event loop, as in the replica
+        (seq,) = await router.encode(page.getvalue())  # through the encoder in this process
+        assert seq.shape[0] == 903  # 2x3 crops
+        monkeypatch.setattr(router.encoder.engine, "run", cuda_fault)
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            await router.encode(page.getvalue())
+    asyncio.run(encode_then_fault())
+    with pytest.raises(RuntimeError, match="both encoder unusable after"):
+        asyncio.run(router.check_health())
