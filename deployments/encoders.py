@@ -106,11 +106,11 @@ def check_view(path: str, pixels: Wire, view: ViewSpec) -> None:
                          f"{' (or (1, 1): not tiled)' if path == 'both' else ''}, got {grid!r}")
 
 
-# max_queued_requests: past it, callers get BackPressureError at once (the router answers 503
-# with Retry-After) instead of queueing without bound.
-@serve.deployment(max_ongoing_requests=256, max_queued_requests=1024,
-                  ray_actor_options={"num_cpus": 0.25})
-class PathEncoder:
+class EncoderReplica:
+    """What a GlobalEncoder, LocalEncoder or Encoder replica runs (`PathEncoder` below is its
+    deployment); with encoder_in_router the Router builds one in its own process. A plain class
+    at module level, so pickling the Router (`serve.ingress` does) refers to it by name."""
+
     def __init__(self, path: str, config: AppConfig):
         if path not in ("global", "local", "both"):
             raise ValueError(f"path must be 'global', 'local' or 'both', got {path!r}")
@@ -331,3 +331,9 @@ class PathEncoder:
                 "requests_per_batch": dict(sorted(self.request_batches.items())),
                 "stages_p50_ms": self.stage_medians(),
                 **(self.engine.stats() if self.path == "both" else self.engine.stats()[self.path])}
+
+
+# max_queued_requests: past it, callers get BackPressureError at once (the router answers 503
+# with Retry-After) instead of queueing without bound.
+PathEncoder = serve.deployment(EncoderReplica, name="PathEncoder", max_ongoing_requests=256,
+                               max_queued_requests=1024, ray_actor_options={"num_cpus": 0.25})

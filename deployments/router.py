@@ -54,7 +54,7 @@ from . import openai_api
 from . import pages
 from .config import AppConfig
 from .encoded_cache import EncodedCache, content_key
-from .encoders import PathEncoder
+from .encoders import EncoderReplica
 from .media import crop_image_blocks, decode_data_url, read_image_url
 from .metrics import medians, router_metrics
 from .model_source import prepare_replica_process, replica_id, resolve_checkpoint
@@ -226,7 +226,7 @@ class Router:
         prepare_replica_process()
         send_tensors_out_of_band()  # the sequences Router.encode returns
         self.global_encoder, self.local_encoder, self.decoder = global_encoder, local_encoder, decoder
-        self.encoder = PathEncoder.func_or_class("both", config) if config.encoder_in_router else None
+        self.encoder = EncoderReplica("both", config) if config.encoder_in_router else None
         self.config = config
         directory, self.model_label = resolve_checkpoint(config.checkpoint)
         specials = read_tensors(directory, lambda k: k in ("model.image_newline", "model.view_seperator"))

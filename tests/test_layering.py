@@ -51,3 +51,20 @@ def test_the_check_sees_a_forbidden_import(tmp_path, monkeypatch):
     (tmp_path / "encoder" / "bad.py").write_text("def f():\n    from decoder.model import Decoder\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
     assert imported_roots("encoder") == {os.path.join("encoder", "bad.py"): {"decoder"}}
+
+
+def test_importing_the_router_leaves_the_encoder_class_its_own():
+    """`serve.ingress` pickles the Router when its module is imported, and what the Router's code
+    names travels with it. A class cloudpickle cannot find by name (a class under a
+    `@serve.deployment` decorator, whose module name is the Deployment) goes by value, and
+    unpickling it in the same process rewrites the original's methods with copies whose globals
+    are not their module's: a test's monkeypatch of the module then no longer reached the
+    encoder's decode (fixed by the Router naming the plain `EncoderReplica`). In a fresh process,
+    so that nothing is imported before."""
+    import subprocess
+    code = ("import deployments.router\nfrom deployments import encoders\n"
+            "assert encoders.PathEncoder.func_or_class is encoders.EncoderReplica\n"
+            "assert encoders.EncoderReplica._arrive.__globals__ is encoders.__dict__\nprint('own')")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 0 and "own" in run.stdout, run.stderr[-2000:]
