@@ -557,7 +557,7 @@ def test_compile_ahead_leaves_generations_unchanged(monkeypatch):
     # The decode step's down kernel sums each token's experts by fp32 atomic adds, in an order
     # that varies run to run, so a greedy pick at a near-tie can differ between ANY two runs
     # (seen on the H200: this test failed 1 run in 4 with the switch the only difference).
-    # Stores and one sum instead (the prefill's way) are deterministic: the two runs then
+    # Stores and one sum instead (large prefills' way) are deterministic: the two runs then
     # differ only in what compiling ahead could change.
     monkeypatch.setattr(triton_moe, "DOWN_TILE", triton_moe.DOWN_TILE._replace(atomic_add=False))
     model = random_decoder(DecoderArgs(), device="cuda", dtype=torch.bfloat16)
