@@ -195,10 +195,11 @@ def test_replicas_size_torchs_threads_as_ray_assigned(monkeypatch):
 
 
 KEEP_FREED_MEMORY = """
-import resource
+import resource, sys
 import numpy as np
 from common.allocator import keep_freed_memory
-assert keep_freed_memory()
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
 faults = []
 for _ in range(4):  # a page's buffers allocated, written and freed, request after request
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -212,15 +213,22 @@ print(*faults)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_replicas_reuse_freed_buffers_instead_of_faulting_in_new_memory():
     """With `keep_freed_memory` (every replica's start), two 4 MB buffers written and freed
-    again and again fault in their ~2,000 pages once, not per request (glibc's defaults give
-    new mmaps each time)."""
+    again and again fault their pages in once, not per request; with glibc's defaults (the
+    control run, same script) every request faults them in anew. How many faults 8 MB costs
+    depends on the kernel (fault-around, huge pages: ~1,000 here, ~700 on the CI machine), so
+    the kept run is measured against the control, not a fixed count."""
     import subprocess
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", KEEP_FREED_MEMORY], cwd=root, capture_output=True,
-                         text=True, env=dict(os.environ, PYTHONPATH=root), timeout=60)
-    assert run.returncode == 0, run.stderr
-    first, *later = map(int, run.stdout.split())
-    assert first > 1000 and max(later) < 100, (first, later)
+
+    def faults(mode: str) -> list[int]:
+        run = subprocess.run([sys.executable, "-c", KEEP_FREED_MEMORY, mode], cwd=root, capture_output=True,
+                             text=True, env=dict(os.environ, PYTHONPATH=root), timeout=60)
+        assert run.returncode == 0, run.stderr
+        return list(map(int, run.stdout.split()))
+
+    kept, default = faults("keep"), faults("default")
+    assert min(default[1:]) > 100, default  # the control: each request's buffers are new memory
+    assert max(kept[1:]) * 10 < min(default[1:]), (kept, default)
 
 
 def test_replica_allocator_setting_has_a_switch(monkeypatch):
