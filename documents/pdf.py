@@ -12,10 +12,12 @@ successful load, which does not reset it.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import math
 import os
 import threading
+import weakref
 
 import pypdfium2.raw as pdfium_c
 from PIL import Image
@@ -35,6 +37,20 @@ _PAGES_PER_OPEN = 50  # pages loaded before the document is reopened (see render
 # Reentrant because close() also runs from __del__, which the garbage collector may call in a
 # thread that already holds the lock (in the middle of a render); a plain Lock would deadlock.
 _PDFIUM_LOCK = threading.RLock()
+
+# Documents not closed yet. pypdfium2 destroys the library at exit (its own atexit handler, which
+# closes only its helper objects); a handle of ours closed after that, by a document's __del__
+# as the interpreter tears down, crashed the process (SIGSEGV). Exit handlers run last-registered
+# first, and this module registers after importing pypdfium2: open documents close before it.
+_OPEN_DOCUMENTS: weakref.WeakSet[PdfDocument] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_documents() -> None:
+    with _PDFIUM_LOCK:
+        open_documents = list(_OPEN_DOCUMENTS)
+    for document in open_documents:
+        document.close()
 
 # FPDF_GetLastError() after a failed load (only then: a successful load leaves it stale).
 _OPEN_ERRORS = {
@@ -75,6 +91,8 @@ class PdfDocument:
         # PDFium reads the bytes in place, for as long as the document is open.
         self._handle, self._source, self.page_count = handle, source, page_count
         self._pages_loaded = 0
+        with _PDFIUM_LOCK:
+            _OPEN_DOCUMENTS.add(self)
         if max_pages is not None and page_count > max_pages:
             self.close()
             raise TooManyPages(page_count, max_pages)
@@ -127,6 +145,7 @@ class PdfDocument:
             if self._handle is not None:
                 pdfium_c.FPDF_CloseDocument(self._handle)
                 self._handle = self._source = None
+            _OPEN_DOCUMENTS.discard(self)
 
     def __enter__(self) -> PdfDocument:
         return self

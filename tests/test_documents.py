@@ -153,6 +153,24 @@ def test_closed_document_refuses_to_render(five_pages):
         document.render(0)
 
 
+LEFT_OPEN = """
+import sys
+from documents import PdfDocument
+from tests.pdfs import make_pdf
+kept = PdfDocument(make_pdf(3))  # never closed: a caller that forgot, or one stopped mid-document
+kept.render(0)
+print(kept.page_count)
+"""
+
+
+def test_a_document_left_open_at_exit_does_not_crash_the_process():
+    """pypdfium2 destroys the library at exit; a document still open then is closed before it,
+    not by its __del__ afterwards (that crashed the interpreter with SIGSEGV)."""
+    run = subprocess.run([sys.executable, "-c", LEFT_OPEN], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
+    assert run.returncode == 0 and run.stdout.split() == ["3"], (run.returncode, run.stderr[-2000:])
+
+
 # --- rendering ---------------------------------------------------------------------------------
 
 # ceil(points * dpi / 72 - 0.001), PyMuPDF's rounding: 601 pt at 200 dpi is 1669.4 -> 1670.
