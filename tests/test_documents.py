@@ -154,7 +154,6 @@ def test_closed_document_refuses_to_render(five_pages):
 
 
 LEFT_OPEN = """
-import sys
 from documents import PdfDocument
 from tests.pdfs import make_pdf
 kept = PdfDocument(make_pdf(3))  # never closed: a caller that forgot, or one stopped mid-document
