@@ -117,7 +117,7 @@ class AppConfig(BaseModel):
         return getattr(self, f"gpu_memory_fraction_{deployment}")
 
     @model_validator(mode="after")
-    def _one_encoder_makes_the_views(self):
+    def _one_engine_makes_the_views(self):
         for name in ("one_encoder", "encoder_in_router"):
             if getattr(self, name) and not self.views_on_encoder:
                 raise ValueError(f"{name} needs views_on_encoder: one engine makes both paths' "
