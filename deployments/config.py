@@ -96,6 +96,12 @@ class AppConfig(BaseModel):
         False, description="chat image parts may be http(s) URLs, fetched by the router within "
         "max_request_mb and fetch_timeout_s")
     fetch_timeout_s: float = Field(10, gt=0, le=300, description="time limit of one image URL fetch")
+    allowed_media_domains: list[str] | None = Field(
+        None, description="with fetch_image_urls, image URLs' hosts must be one of these domains or "
+        "their subdomains (vLLM's option of that name); none: any public host")
+    fetch_private_addresses: bool = Field(
+        False, description="with fetch_image_urls, image URLs may resolve to loopback, private and "
+        "link-local addresses (by default refused, after name resolution and on every redirect)")
     allowed_local_media_path: str | None = Field(
         None, description="chat image parts may be file:// URLs under this directory (on the router's node)")
     api_key: str | None = Field(
