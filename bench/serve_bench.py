@@ -212,11 +212,11 @@ def hops(row: dict) -> dict:
     handler = {name: st.get("handler_ms") or 0.0 for name, st in encoders.items()}
     slowest = max(encoders, key=lambda name: handler[name])
     p50 = statistics.median(r["p50_ms"] for r in row["reps"])
-    return {"driver_router_ms": p50 - router["preprocess_ms"] - router["total_ms"],
+    return {"driver_router_ms": p50 - router["preprocess_ms"] - router["encoding_ms"],
             "router_encoder_ms": router["encode_ms"] - max(inside.values()),
             "encoder_inside_ms": inside,
             "serve_call_router_ms": p50 - router["handler_ms"],
-            "router_unstaged_ms": router["handler_ms"] - router["preprocess_ms"] - router["total_ms"],
+            "router_unstaged_ms": router["handler_ms"] - router["preprocess_ms"] - router["encoding_ms"],
             "serve_call_encoder_ms": router["encode_ms"] - handler[slowest],
             "encoder_handler_ms": handler,
             "encoder_unstaged_ms": {name: handler[name] - inside[name] for name in encoders}}

@@ -22,7 +22,10 @@ from decoder.tokenizer import byte_tokenizer_json
 from encoder.checkpoint import vision_shapes
 from encoder.config import EncoderArgs
 
-TINY_LABEL = "tiny-random (RANDOMLY INITIALISED weights: outputs are meaningless)"
+TINY_LABEL = "tiny-random"  # the tiny model's id: a plain token, usable in URLs as it is
+# Beside the tiny model's id in every response (its own field, `warning`), so nobody mistakes
+# its output for OCR.
+TINY_WARNING = "RANDOMLY INITIALISED weights: outputs are meaningless"
 _TINY_DIR = os.path.join(tempfile.gettempdir(), "deepseek-ocr-serve-tiny-random-v2")
 
 
@@ -42,7 +45,7 @@ def write_random_model(path, vision: EncoderArgs | None = None, language: Decode
 
 
 def resolve_checkpoint(checkpoint: str | None) -> tuple[str, str]:
-    """(directory, model label for responses)."""
+    """(directory, model label for responses: the directory's name, or TINY_LABEL)."""
     if checkpoint:
         if not os.path.isfile(os.path.join(checkpoint, "config.json")):
             raise FileNotFoundError(f"checkpoint {checkpoint!r} has no config.json")

@@ -137,6 +137,13 @@ class ChatRequest(_Strict):
         prompt = "\n".join([IMAGE_TOKEN] * missing + [text]) if missing > 0 else text
         return urls, document, _text_of(system[0]) + prompt if system else prompt
 
+    def image_fields(self) -> list[str]:
+        """Where each image URL of `sources_and_prompt` is in the request, in the same order
+        (`messages[1].content[0]`): an error about one image names it."""
+        return [f"messages[{m}].content[{c}]" for m, message in enumerate(self.messages)
+                if message.role == "user" and not isinstance(message.content, str)
+                for c, part in enumerate(message.content) if isinstance(part, ImagePart)]
+
     def ocr_options(self, prompt: str | None) -> OcrOptions:
         """The `/v1/ocr` options this request means (`prompt` None: its preset's prompt)."""
         if self.n != 1:
@@ -182,17 +189,18 @@ def completion(request_id: str, model: str, ocr: dict) -> dict:
                          "finish_reason": FINISH_REASONS.get(ocr["finish_reason"], ocr["finish_reason"]),
                          "logprobs": None}],
             "usage": {**usage(ocr["usage"]), "image_tokens": ocr["usage"]["image_tokens"]}}
-    for extension in ("blocks", "pages", "failed_pages"):
+    for extension in ("warning", "blocks", "pages", "failed_pages"):
         if extension in ocr:
             body[extension] = ocr[extension]
     return body
 
 
-def chunk(request_id: str, model: str, created: int, delta: dict | None,
+def chunk(request_id: str, model: dict, created: int, delta: dict | None,
           finish_reason: str | None = None, usage_: dict | None = None,
           include_usage: bool = False) -> dict:
-    """One `chat.completion.chunk`; `delta` None is the usage chunk (no choices)."""
-    body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+    """One `chat.completion.chunk`; `delta` None is the usage chunk (no choices); `model`: the
+    model's fields of every answer (its id, any warning)."""
+    body = {"id": request_id, "object": "chat.completion.chunk", "created": created, **model,
             "choices": [] if delta is None else
             [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
     if include_usage:

@@ -14,7 +14,7 @@ from ray.serve.exceptions import BackPressureError
 from documents import DocumentError
 from encoder import ImageError
 
-from .protocol import BadRequest
+from .protocol import BadRequest, replica_error
 
 # What DeepSeek's PDF script writes between pages.
 PAGE_SPLIT = "\n\n<--- Page Split --->\n"
@@ -33,7 +33,7 @@ def page_entry(index: int, result: dict, size: tuple[int, int]) -> dict:
 def failed_page(index: int, error: BaseException, log) -> dict:
     """The entry of a page that failed; our own bugs are logged and described without detail."""
     if isinstance(error, (BadRequest, ImageError, DocumentError)):
-        kind, message = "invalid_request", str(error)
+        kind, message = "invalid_request", str(replica_error(error))
     elif isinstance(error, (RayError, BackPressureError, TimeoutError)):
         kind, message = "unavailable", f"the page could not be processed now ({type(error).__name__}); retry it"
     else:
@@ -48,8 +48,9 @@ def total_usage(entries: list[dict]) -> dict:
     return {k: sum(e["usage"][k] for e in entries if e["error"] is None) for k in USAGE_KEYS}
 
 
-def document_response(entries: list[dict], model: str) -> dict:
-    return {"model": model, "pages": entries,
+def document_response(entries: list[dict], model: dict) -> dict:
+    """`model`: the model's fields of every answer (its id, any warning)."""
+    return {**model, "pages": entries,
             "text": PAGE_SPLIT.join(e["text"] or "" for e in entries),
             "usage": total_usage(entries),
             "failed_pages": [e["index"] for e in entries if e["error"] is not None]}

@@ -9,8 +9,10 @@ handle calls alike. Its limits are the libraries' own: the view options are chec
 """
 from __future__ import annotations
 
+import contextvars
 import os
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,7 +26,7 @@ from decoder.config import DecoderArgs
 from decoder.engine import MAX_TEMPERATURE
 from decoder.tokenizer import PROMPT_PRESETS, count_image_tags
 from documents import DEFAULT_DPI, MAX_DPI, MIN_DPI
-from encoder.preprocess import DEFAULT_MAX_CROPS, check_view_options
+from encoder.preprocess import DEFAULT_MAX_CROPS, MODES, check_view_options
 
 # Generated tokens per request: at most the model's context.
 MAX_NEW_TOKENS = DecoderArgs().max_positions
@@ -54,6 +56,32 @@ class PayloadTooLarge(BadRequest):
 
 class UnsupportedMediaType(BadRequest):
     status = 415
+
+
+# When the HTTP request being answered arrived: its `total_ms` counts from there. (Here, not in
+# router.py: `serve.ingress` pickles the Router's endpoints with their module's globals by value,
+# and a ContextVar cannot be pickled.)
+REQUEST_ARRIVED: contextvars.ContextVar[float | None] = contextvars.ContextVar("arrived", default=None)
+
+
+class Images(list):
+    """A request's images (bytes, or whatever a handle call sent), with the request field each
+    came in (`fields`: `image`, `images[1]`, `messages[0].content[2]`), so that an error about
+    one image names its field."""
+
+    def __init__(self, images=(), fields: list[str] | None = None):
+        super().__init__(images)
+        self.fields = fields
+
+
+def replica_error(error: BaseException) -> BaseException:
+    """The exception a replica raised, without Ray's wrapper: a `RayTaskError` is also an
+    instance of its cause's class (so `except ImageError` catches it), but its text names the
+    replica's actor, process, address and object, in colour; clients must see only the cause."""
+    from ray.exceptions import RayTaskError
+    while isinstance(error, RayTaskError) and isinstance(getattr(error, "cause", None), BaseException):
+        error = error.cause
+    return error
 
 
 @dataclass(frozen=True)
@@ -105,27 +133,36 @@ class OcrOptions(BaseModel):
 
     @pydantic.model_validator(mode="after")
     def _check(self):
-        check_view_options(self.mode, self.max_crops)  # ValueErrors become field errors
-        if self.prompt_preset is not None:
-            if self.prompt is not None:
-                raise ValueError("send prompt or prompt_preset, not both")
-            if self.prompt_preset not in PROMPT_PRESETS:
-                raise ValueError(f"unknown prompt_preset {self.prompt_preset!r}; presets: "
-                                 f"{', '.join(PROMPT_PRESETS)}")
-        if (self.prompt_preset == "locate") != (self.ref is not None):
-            raise ValueError("ref (what to locate) goes with prompt_preset 'locate', and only with it")
-        if self.return_crops and self.output_format != "blocks":
-            raise ValueError("return_crops goes with output_format 'blocks'")
+        """Rules across fields; each error names the field a client fixes (`FieldError`)."""
+        with about("mode" if self.mode not in MODES else "max_crops"):
+            check_view_options(self.mode, self.max_crops)
+        with about("prompt_preset"):
+            if self.prompt_preset is not None:
+                if self.prompt is not None:
+                    raise ValueError("send prompt or prompt_preset, not both")
+                if self.prompt_preset not in PROMPT_PRESETS:
+                    raise ValueError(f"unknown prompt_preset {self.prompt_preset!r}; presets: "
+                                     f"{', '.join(PROMPT_PRESETS)}")
+        with about("ref"):
+            if (self.prompt_preset == "locate") != (self.ref is not None):
+                raise ValueError("ref (what to locate) goes with prompt_preset 'locate', and only with it")
+        with about("return_crops"):
+            if self.return_crops and self.output_format != "blocks":
+                raise ValueError("return_crops goes with output_format 'blocks'")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        with about("stop"):
+            if len(stops) > MAX_STOP_STRINGS:
+                raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
         for name, text in [("prompt", self.prompt or ""), ("ref", self.ref or ""),
                            *(("stop", s) for s in stops)]:
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError as e:  # a lone surrogate (JSON allows "\ud800")
-                raise ValueError(f"{name} is not valid Unicode (lone surrogate at {e.start})") from None
-        self.sampling()
+                raise FieldError(name, f"{name} is not valid Unicode (lone surrogate at {e.start})") from None
+        with about("ngram"):
+            self.ngram.config()
+        with about("stop"):
+            self.sampling()
         return self
 
     @classmethod
@@ -143,16 +180,37 @@ class OcrOptions(BaseModel):
         """The prompt for `n_images` images (the default one, or the caller's with one <image>
         tag per image); BadRequest when the count is outside 1..max_images or tags disagree."""
         if n_images == 0:
-            raise BadRequest("no image given (send 'image' as a file upload or base64 JSON)")
+            raise BadRequest("no image given (send 'image' as a file upload or base64 JSON)", "image")
         if n_images > max_images:
-            raise BadRequest(f"at most {max_images} images per request, got {n_images}")
+            raise BadRequest(f"at most {max_images} images per request, got {n_images}", "images")
         if self.prompt is None:  # a preset (the markdown one by default), one tag per image
             preset = PROMPT_PRESETS[self.prompt_preset or "markdown"].format(ref=self.ref)
             return "<image>" * n_images + preset.removeprefix("<image>")
         if count_image_tags(self.prompt) != n_images:
             raise BadRequest(f"prompt must contain one <image> tag per image: it has "
-                             f"{count_image_tags(self.prompt)}, the request has {n_images} image(s)")
+                             f"{count_image_tags(self.prompt)}, the request has {n_images} image(s)",
+                             "prompt")
         return self.prompt
+
+
+class FieldError(ValueError):
+    """A rule across fields broken, about `field`: pydantic gives a model-level error no
+    location, so `validate` takes the field from here."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+@contextmanager
+def about(field: str):
+    """A ValueError raised inside is about `field` (a FieldError)."""
+    try:
+        yield
+    except FieldError:
+        raise
+    except ValueError as e:
+        raise FieldError(field, str(e)) from None
 
 
 def validate(model: type[BaseModel], data, strict: bool = True):
@@ -163,7 +221,9 @@ def validate(model: type[BaseModel], data, strict: bool = True):
         return model.model_validate(data, strict=strict)
     except pydantic.ValidationError as e:
         errors = e.errors()
-        param = ".".join(str(part) for part in errors[0]["loc"]) or None
+        cause = errors[0].get("ctx", {}).get("error")
+        param = (".".join(str(part) for part in errors[0]["loc"])
+                 or getattr(cause, "field", None))
         raise BadRequest("; ".join(describe_error(error) for error in errors), param) from None
 
 

@@ -26,12 +26,14 @@ import hmac
 import json
 import logging
 import os
+import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -45,6 +47,7 @@ from starlette.exceptions import HTTPException
 from common.checkpoint import read_config, read_tensors
 from decoder import DecoderArgs, build_prompt, load_tokenizer
 from decoder.grounding import parse_blocks, to_markdown
+from decoder.tokenizer import count_image_tags
 from documents import DocumentError, PdfDocument, map_pages, parse_page_range
 from encoder import ImageError, assemble
 from encoder.preprocess import (DecodedImage, ImageHeader, PendingImage, decode, read_header,
@@ -52,14 +55,16 @@ from encoder.preprocess import (DecodedImage, ImageHeader, PendingImage, decode,
 
 from . import openai_api
 from . import pages
+from . import protocol  # protocol.REQUEST_ARRIVED: a module pickles by name, a ContextVar not at all
 from .config import AppConfig
 from .encoded_cache import EncodedCache, content_key
 from .encoders import EncoderReplica
 from .media import crop_image_blocks, decode_data_url, read_image_url
 from .metrics import medians, router_metrics
-from .model_source import prepare_replica_process, replica_id, resolve_checkpoint
-from .protocol import (BadRequest, Document, NotFound, OcrOptions, PayloadTooLarge,
-                       UnsupportedMediaType, from_wire, send_tensors_out_of_band, to_wire)
+from .model_source import TINY_WARNING, prepare_replica_process, replica_id, resolve_checkpoint
+from .protocol import (BadRequest, Document, Images, NotFound, OcrOptions,
+                       PayloadTooLarge, UnsupportedMediaType, from_wire, replica_error,
+                       send_tensors_out_of_band, to_wire)
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="DeepSeek-OCR on Ray Serve")
@@ -71,10 +76,17 @@ RETRYABLE = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
 
 
 async def call_with_retry(method, *args, attempts: int = 3, backoff_s: float = 0.5):
-    """`await method.remote(*args)`, retried on replica loss with a growing pause."""
+    """`await method.remote(*args)`, retried on replica loss with a growing pause. When the
+    caller is cancelled (its time limit passed, its client went away, a sibling call failed),
+    so is the call: cancelling the task that awaits a DeploymentResponse leaves the replica
+    working on it, holding a decoder slot or an encoder batch place for nobody."""
     for attempt in range(attempts):
+        response = method.remote(*args)
         try:
-            return await method.remote(*args)
+            return await response
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
         except RETRYABLE:
             if attempt == attempts - 1:
                 raise
@@ -88,10 +100,25 @@ def _error_body(kind: str, message: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _bad_request(e: Exception) -> JSONResponse:
-    """A BadRequest (or ImageError, DocumentError) in the envelope, with its status and field."""
+def _bad_request(e: Exception, source=None) -> JSONResponse:
+    """A BadRequest (or ImageError, DocumentError) in the envelope, with its status and field:
+    an error about one image (`image_index`) names the field that image came in (`source`'s
+    `fields`). Raised in a replica, it is the replica's own exception, never Ray's wrapper."""
+    e = replica_error(e)
+    param = getattr(e, "param", None)
+    index, fields = getattr(e, "image_index", None), getattr(source, "fields", None)
+    if index is not None and fields:
+        param = fields[index]
     return JSONResponse(status_code=getattr(e, "status", 400), content=_error_body(
-        "invalid_request", str(e), getattr(e, "param", None), getattr(e, "code", None)))
+        "invalid_request", str(e), param, getattr(e, "code", None)))
+
+
+def _of_image(error: Exception, index: int) -> Exception:
+    """`error` (an ImageError, maybe raised in a replica) as this process's own exception,
+    marked with the index of the request's image it is about."""
+    error = replica_error(error)
+    error.image_index = index
+    return error
 
 
 def _overloaded(reason: str, message: str) -> JSONResponse:
@@ -117,40 +144,72 @@ def _check_length(request: Request, max_bytes: int) -> None:
                               f"{max_bytes} (max_request_mb)")
 
 
-async def _read(request: Request, max_bytes: int) -> tuple[list[bytes], dict, bool]:
-    """(images, options as sent, whether the options are typed JSON values)."""
+SOURCE_FIELDS = ("image", "images", "document")  # the same names in JSON and in forms
+
+
+async def _read(request: Request, max_bytes: int) -> tuple[Images | Document, dict, bool]:
+    """(images or the PDF, options as sent, whether the options are typed JSON values). JSON
+    and multipart take the same fields: `image` (one), `images` (several) or `document` (a PDF),
+    as files or base64 text in a form, base64 or data: URLs in JSON."""
     _check_length(request, max_bytes)
     content_type = request.headers.get("content-type", "")
     if content_type.startswith("multipart/form-data"):
         form = await request.form()
-        images = [await f.read() for key in ("image", "file") for f in form.getlist(key)
-                  if hasattr(f, "read")]
-        documents = [await f.read() for f in form.getlist("document") if hasattr(f, "read")]
-        options = {k: v for k, v in form.items() if k not in ("image", "file", "document")}
+        sent = {key: [await v.read() if hasattr(v, "read") else v for v in form.getlist(key)]
+                for key in SOURCE_FIELDS if key in form}
+        for key, value in form.multi_items():
+            if hasattr(value, "read") and key not in SOURCE_FIELDS:
+                raise BadRequest(f"unknown file field {key!r}: send images as 'image' or "
+                                 f"'images', a PDF as 'document'", key)
+        options = {k: v for k, v in form.items() if k not in SOURCE_FIELDS}
         if "ngram" in options:  # an object inside a form: JSON text
             options["ngram"] = _json_field(options["ngram"], "ngram")
-        return _one_source(images, documents), options, False
+        return _source(sent), options, False
     body = await _read_json(request, max_bytes, "application/json or multipart/form-data")
     if not isinstance(body, dict):
         raise BadRequest("JSON body must be an object")
-    if "image" in body and "images" in body:
-        raise BadRequest("send 'image' or 'images', not both")
-    images = body.pop("image", None)
-    images = body.pop("images", None) if images is None else images
-    images = [] if images is None else images
-    images = [decode_data_url(b) for b in (images if isinstance(images, list) else [images])]
-    document = body.pop("document", None)
-    documents = [] if document is None else [decode_data_url(document, "document")]
-    return _one_source(images, documents), body, True
+    sent = {}
+    for key in SOURCE_FIELDS:
+        value = body.pop(key, None)
+        if value is not None:
+            sent[key] = value if key == "images" and isinstance(value, list) else [value]
+    return _source(sent), body, True
 
 
-def _one_source(images: list[bytes], documents: list[bytes]) -> list[bytes] | Document:
-    """A request's images, or its one PDF document."""
-    if documents and images:
-        raise BadRequest("send images or a document, not both", "document")
-    if len(documents) > 1:
-        raise BadRequest("send one document per request", "document")
-    return Document(documents[0]) if documents else images
+def _source(sent: dict[str, list]) -> Images | Document:
+    """A request's images, each named by its field (`image`, `images[2]`), or its one PDF, from
+    the values sent in each source field (bytes, or base64 text / data: URLs)."""
+    if "image" in sent and "images" in sent:
+        raise BadRequest("send 'image' or 'images', not both", "images")
+    if "document" in sent:
+        if len(sent) > 1:
+            raise BadRequest("send images or a document, not both", "document")
+        if len(sent["document"]) > 1:
+            raise BadRequest("send one document per request", "document")
+        return Document(_bytes_of(sent["document"][0], "document", "document"))
+    key, values = next(iter(sent.items()), ("image", []))
+    fields = [key if key == "image" and len(values) == 1 else f"{key}[{i}]" for i in range(len(values))]
+    return Images([_bytes_of(v, field, "image") for v, field in zip(values, fields)], fields)
+
+
+def _bytes_of(value, field: str, what: str) -> bytes:
+    return value if isinstance(value, bytes) else decode_data_url(value, what, field)
+
+
+# Nesting a request needs: a chat message's content part's image_url (5 levels); far deeper is
+# an attack on the parser (each level is a recursion in json and in validation).
+MAX_JSON_DEPTH = 32
+# JSON strings (escapes included), written as an unrolled loop: linear, no backtracking.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_OPENERS, _CLOSERS = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
+
+
+def json_depth(raw: bytes) -> int:
+    """How deeply `raw`'s arrays and objects nest, found without parsing (no recursion): the
+    brackets outside strings, counted up and down."""
+    codes = np.frombuffer(_JSON_STRING.sub(b'""', raw), np.uint8)
+    steps = np.isin(codes, _OPENERS).astype(np.int64) - np.isin(codes, _CLOSERS)
+    return int(np.cumsum(steps).max(initial=0))
 
 
 async def _read_json(request: Request, max_bytes: int, accepted: str = "application/json"):
@@ -162,9 +221,11 @@ async def _read_json(request: Request, max_bytes: int, accepted: str = "applicat
     raw = await request.body()
     if len(raw) > max_bytes:  # a body sent without a content-length
         raise PayloadTooLarge(f"request body is over the limit of {max_bytes} bytes (max_request_mb)")
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise BadRequest(f"JSON body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise BadRequest("body is not valid JSON") from None
 
 
@@ -241,7 +302,9 @@ class Router:
         self.cache = EncodedCache(config.encoder_cache_mb << 20) if config.encoder_cache_mb else None
         self.inflight = 0  # HTTP requests being worked on (admission control)
         self.api_key = config.api_key or os.environ.get("DEEPSEEK_OCR_API_KEY") or None
-        self.model_id = config.served_model_name or self.model_label  # what chat clients call it
+        self.model_id = config.served_model_name or self.model_label  # what clients call it
+        # In every answer: the model's id, and the tiny random model's warning in its own field.
+        self.model_fields = {"model": self.model_id, **({} if config.checkpoint else {"warning": TINY_WARNING})}
         self.started = int(time.time())
 
     # -- Python handle API ------------------------------------------------------------------
@@ -308,13 +371,16 @@ class Router:
         encoding by then), encode (until both paths answered), assemble, and the whole encoding
         of the request; and over the `encode` handle calls among them, the handler's whole
         time from its entry to its return (what Serve's call adds is outside it)."""
-        keys = ("preprocess_ms", "encode_ms", "assemble_ms", "total_ms")
+        keys = ("preprocess_ms", "encode_ms", "assemble_ms", "encoding_ms")
         handled = [t for t in self.recent if "handler_ms" in t]
         return {"requests": len(self.recent), **medians(self.recent, keys),
                 **medians(handled, ("handler_ms",))}
 
     # -- one request ----------------------------------------------------------------------------
-    async def _ocr(self, image, options: OcrOptions, page: int = 0) -> dict:
+    async def _ocr(self, image, options: OcrOptions, page: int = 0, arrived: float | None = None) -> dict:
+        """One image request's answer; `timings` holds each stage and `total_ms`, the whole
+        request from its arrival (`arrived`, else the HTTP request's, else now) to its answer."""
+        arrived = arrived or protocol.REQUEST_ARRIVED.get() or time.perf_counter()
         ids, seqs, timings, sizes = await self._encode_prompt(image, options)
         start = time.perf_counter()
         result = await call_with_retry(self.decoder.generate, ids, [to_wire(s) for s in seqs],
@@ -323,7 +389,7 @@ class Router:
         timings.update(result.get("timings", {}))  # the decoder's own stages
         self._record_generation(result, seqs, timings["decode_ms"])
         response = {"text": result["text"], "finish_reason": result["finish_reason"],
-                    "model": self.model_label,
+                    **self.model_fields,
                     "usage": {"prompt_tokens": result["prompt_tokens"],
                               "image_tokens": sum(s.shape[0] for s in seqs),
                               "completion_tokens": result["completion_tokens"]},
@@ -337,6 +403,7 @@ class Router:
             if options.return_crops:
                 image = image[0] if isinstance(image, list) else image
                 await asyncio.to_thread(crop_image_blocks, image, response["blocks"])
+        timings["total_ms"] = (time.perf_counter() - arrived) * 1e3
         return response
 
     async def _chat(self, source: list | Document, options: OcrOptions) -> dict:
@@ -359,7 +426,7 @@ class Router:
         request_id, created = openai_api.completion_id(), int(time.time())
 
         def chunk(delta, finish_reason=None, usage=None):
-            return openai_api.chunk(request_id, self.model_id, created, delta, finish_reason,
+            return openai_api.chunk(request_id, self.model_fields, created, delta, finish_reason,
                                     usage, include_usage)
         yield chunk({"role": "assistant", "content": ""})
         async for delta in deltas:
@@ -379,12 +446,33 @@ class Router:
         urls, document, prompt = chat.sources_and_prompt()
         options = chat.ocr_options(prompt)
         if document is not None:
-            return Document(decode_data_url(document, "document")), options, chat
+            return Document(decode_data_url(document, "document", "messages")), options, chat
+        if not urls:
+            raise BadRequest("the user message has no image: add an image_url part (a data: URL) "
+                             "or a file part (a PDF)", "messages")
+        if len(urls) > self.config.max_images_per_request:
+            raise BadRequest(f"at most {self.config.max_images_per_request} images per request: the "
+                             f"user message has {len(urls)} image_url parts", "messages")
+        fields = chat.image_fields()
         limits = dict(max_bytes=self.config.max_request_mb << 20, fetch=self.config.fetch_image_urls,
                       timeout_s=self.config.fetch_timeout_s,
-                      local_root=self.config.allowed_local_media_path)
-        images = await asyncio.gather(*(read_image_url(url, **limits) for url in urls))
-        return list(images), options, chat
+                      local_root=self.config.allowed_local_media_path,
+                      allowed_domains=tuple(self.config.allowed_media_domains or ()) or None,
+                      allow_private=self.config.fetch_private_addresses)
+
+        async def read(url: str, field: str) -> bytes:
+            try:
+                return await read_image_url(url, **limits)
+            except BadRequest as e:  # named by where it is in the chat request
+                e.param = field
+                raise
+        tags = count_image_tags(options.prompt) if options.prompt is not None else len(urls)
+        if tags != len(urls):
+            raise BadRequest(f"the messages' text has {tags} <image> tags for {len(urls)} image_url "
+                             f"parts: leave the tags out (one is placed per image) or place one "
+                             f"per image", "messages")
+        images = await asyncio.gather(*(read(url, field) for url, field in zip(urls, fields)))
+        return Images(images, fields), options, chat
 
     async def _ocr_stream(self, image, options: OcrOptions) -> AsyncIterator[dict]:
         """Validate and encode now (errors surface before anything is streamed), then return
@@ -393,15 +481,20 @@ class Router:
             raise BadRequest("output_format applies to whole answers: a stream of an image sends "
                              "raw text (a document's stream sends whole pages)", "output_format")
         ids, seqs, _, _ = await self._encode_prompt(image, options)
-        stream = self.decoder.options(stream=True).generate_stream.remote(
-            ids, [to_wire(s) for s in seqs], options.sampling())
 
-        async def deltas():
-            start = time.perf_counter()
-            async for delta in stream:
-                if delta["finished"]:
-                    self._record_generation(delta, seqs, (time.perf_counter() - start) * 1e3)
-                yield {**delta, "model": self.model_label}
+        async def deltas():  # the generation starts when its consumer first asks
+            stream = self.decoder.options(stream=True).generate_stream.remote(
+                ids, [to_wire(s) for s in seqs], options.sampling())
+            start, finished = time.perf_counter(), False
+            try:
+                async for delta in stream:
+                    if delta["finished"]:
+                        finished = True
+                        self._record_generation(delta, seqs, (time.perf_counter() - start) * 1e3)
+                    yield {**delta, **self.model_fields}
+            finally:
+                if not finished:  # closed early (time limit, client gone): free the slot now
+                    stream.cancel()
         return deltas()
 
     async def _ocr_document(self, document: Document, options: OcrOptions) -> dict:
@@ -409,7 +502,7 @@ class Router:
         stream = await self._document_pages(document, options)
         async with aclosing(stream):
             entries = [entry async for entry in stream]
-        return pages.document_response(entries, self.model_label)
+        return pages.document_response(entries, self.model_fields)
 
     async def _document_pages(self, document: Document, options: OcrOptions) -> AsyncIterator[dict]:
         """Open the PDF and check the page range now (errors answer 4xx before any page is
@@ -428,7 +521,8 @@ class Router:
         page_options = options.model_copy(update={"stream": False, "page_range": None})
 
         async def work(index: int, image):
-            return await self._ocr([image], page_options, page=index), image.size
+            return (await self._ocr([image], page_options, page=index, arrived=time.perf_counter()),
+                    image.size)
 
         async def entries():
             try:
@@ -493,17 +587,29 @@ class Router:
                 sent = sent or decode(image, options.mode, options.max_crops)
                 return _Image(key, pending=sent, decode_ms=(time.perf_counter() - began) * 1e3)
             return _Image(key, pending=start_preprocess(image, options.mode, options.max_crops))
-        return await asyncio.gather(*(asyncio.to_thread(start, image) for image in images))
+
+        async def one(index: int, image) -> _Image:
+            try:
+                return await asyncio.to_thread(start, image)
+            except ImageError as e:
+                raise _of_image(e, index) from None
+        return await asyncio.gather(*(one(i, image) for i, image in enumerate(images)))
 
     async def _encode(self, pending: list["_Image"]):
         start = time.perf_counter()
-        results = await asyncio.gather(*(self._encode_one(p, start) for p in pending))
+
+        async def one(index: int, image: _Image):
+            try:
+                return await self._encode_one(image, start)
+            except ImageError as e:  # decoded in an encoder replica: its exception, this image's
+                raise _of_image(e, index) from None
+        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(pending)))
         seqs = [seq for seq, _ in results]
         stages = [t for _, t in results]
         timings = {"preprocess_ms": max(t["preprocess_ms"] for t in stages),
                    "encode_ms": max(t["encode_ms"] for t in stages),
                    "assemble_ms": sum(t["assemble_ms"] for t in stages),
-                   "total_ms": (time.perf_counter() - start) * 1e3}
+                   "encoding_ms": (time.perf_counter() - start) * 1e3}
         self.recent.append(timings)
         for stage in ("preprocess", "encode", "assemble"):
             router_metrics()["stage"].observe(timings[f"{stage}_ms"], tags={"stage": stage})
@@ -641,7 +747,7 @@ class Router:
                 raise BadRequest("/v1/encode takes images; send documents to /v1/ocr", "document")
             options.prompt_for(len(images), self.config.max_images_per_request)
             seqs, timings = await self._encode(await self._preprocess(images, options))
-            return {"model": self.model_label, "timings": timings, "images": [
+            return {**self.model_fields, "timings": timings, "images": [
                 {"num_tokens": s.shape[0], "dim": s.shape[1], "dtype": "float32",
                  "embedding_base64": base64.b64encode(s.float().numpy().tobytes()).decode()}
                 for s in seqs]}
@@ -650,7 +756,7 @@ class Router:
     @api.get("/health")
     async def health(self):
         """Liveness: this Router replica answers (no model call, no key needed)."""
-        return {"status": "ok", "model": self.model_label}
+        return {"status": "ok", **self.model_fields}
 
     @api.get("/ready")
     async def ready(self, request: Request):
@@ -674,7 +780,7 @@ class Router:
         states = dict(zip(tiers, await asyncio.gather(*(state(h) for h in tiers.values()))))
         waiting = [name for name, st in states.items() if not st.get("ready")]
         body = {"status": "ready" if not waiting else "not ready", "not_ready": waiting,
-                "tiers": states, "model": self.model_label}
+                "tiers": states, **self.model_fields}
         return JSONResponse(status_code=503 if waiting else 200, content=body,
                             headers={"Retry-After": "5"} if waiting else None)
 
@@ -717,12 +823,14 @@ class Router:
             return _overloaded("overloaded", f"the server is at its limit of "
                                f"{self.config.max_inflight_requests} requests in flight; retry shortly")
         self.inflight += 1
+        protocol.REQUEST_ARRIVED.set(time.perf_counter())
+        inputs = None
         try:
             inputs = await read(request)
             limit = inputs[1].timeout_s or self.config.request_timeout_s
             return await asyncio.wait_for(work(*inputs), timeout=limit)
         except (BadRequest, ImageError, DocumentError) as e:
-            return _bad_request(e)
+            return _bad_request(e, inputs[0] if inputs else None)
         except asyncio.TimeoutError:
             return JSONResponse(status_code=408, content=_error_body(
                 "timeout", f"the request took longer than its limit of {limit:g} s (timeout_s)"))

@@ -42,7 +42,7 @@ def test_serve_run_subprocess(tmp_path):
         assert response.status_code == 200, response.text
         body = response.json()
         assert body["usage"]["image_tokens"] == 483 and body["usage"]["completion_tokens"] == 4
-        assert "RANDOM" in body["model"]
+        assert body["model"] == "tiny-random" and "RANDOM" in body["warning"]
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C: Serve shuts the app down and exits
         try:

@@ -60,7 +60,7 @@ def test_each_page_is_the_ocr_of_its_rendered_image(serve_app):
         assert (page["width"], page["height"]) == (400, 600) and page["error"] is None
         assert page["finish_reason"] == "length"  # kept and flagged, not dropped
     assert body["text"] == "\n\n<--- Page Split --->\n".join(p["text"] for p in body["pages"])
-    assert body["usage"]["completion_tokens"] == 18 and "RANDOM" in body["model"]
+    assert body["usage"]["completion_tokens"] == 18 and "RANDOM" in body["warning"]
 
 
 def test_page_range_dpi_and_blocks(serve_app):

@@ -47,6 +47,36 @@ def test_gives_up_after_the_last_attempt():
     assert method.calls == 3
 
 
+class Response:
+    """Stands in for a DeploymentResponse that never answers: awaitable, cancellable."""
+
+    def __init__(self):
+        self.cancelled = False
+
+    def __await__(self):
+        return asyncio.get_running_loop().create_future().__await__()  # never set
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_a_cancelled_caller_cancels_its_call():
+    """The time limit cancels the task awaiting the call: the call itself (the replica's work)
+    must be cancelled too, or the replica keeps working for nobody."""
+    responses = []
+
+    class Method:
+        def remote(self, *args):
+            responses.append(Response())
+            return responses[-1]
+
+    async def scenario():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(call_with_retry(Method(), "pixels"), timeout=0.05)
+    asyncio.run(scenario())
+    assert [r.cancelled for r in responses] == [True]
+
+
 def test_other_errors_are_not_retried():
     method = FlakyMethod(failures=1, error=lambda: ValueError("bad image"))
     with pytest.raises(ValueError, match="bad image"):

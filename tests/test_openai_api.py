@@ -109,8 +109,9 @@ def test_bad_chat_requests_name_the_field(body, param):
 
 # -- through the openai client --------------------------------------------------------------
 def test_models_list_and_retrieve(client, model_id):
-    assert "RANDOM" in model_id  # the tiny random model says so in every answer
+    assert model_id == "tiny-random"  # a plain token: usable in a URL as it is
     assert client.models.retrieve(model_id).id == model_id
+    assert requests.get(f"{SERVE_URL}/v1/models/tiny-random", timeout=30).status_code == 200
     with pytest.raises(openai.NotFoundError) as error:
         client.models.retrieve("deepseek-ai/DeepSeek-OCR")
     assert error.value.body["code"] == "model_not_found"
@@ -134,6 +135,7 @@ def test_chat_completion_equals_ocr_of_the_same_request(client, model_id):
     raw = requests.post(f"{SERVE_URL}/v1/chat/completions", timeout=300, json={
         "messages": user(image_part(), text_part("Free OCR.")), "max_tokens": 16}).json()
     assert raw["choices"][0]["message"]["content"] == expected["text"] and raw["model"] == model_id
+    assert "RANDOM" in raw["warning"]  # the tiny random model says so in every answer, beside its id
 
 
 def test_streamed_chat_matches_the_whole_answer(client, model_id):
@@ -189,12 +191,20 @@ def test_unknown_model_and_bad_image_are_errors_in_the_envelope(client, model_id
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model=model_id, messages=user(image_part(bad)), max_tokens=4)
     assert error.value.status_code == 400 and error.value.body["type"] == "invalid_request"
-    with pytest.raises(openai.BadRequestError, match="fetch_image_urls"):
-        client.chat.completions.create(messages=user(image_part("http://127.0.0.1:9/x.png")),
+    assert error.value.body["param"] == "messages[0].content[0]"
+    assert "cannot decode image" in error.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="fetch_image_urls") as error:
+        client.chat.completions.create(messages=user(text_part("x"), image_part("http://127.0.0.1:9/x.png")),
                                        model=model_id)
-    with pytest.raises(openai.BadRequestError, match="no image"):
+    assert error.value.body["param"] == "messages[0].content[1]"
+    with pytest.raises(openai.BadRequestError, match="no image") as error:
         client.chat.completions.create(messages=user(text_part("Free OCR.")),
                                        model=model_id)
+    assert error.value.body["param"] == "messages" and "image_url part" in error.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="2 <image> tags for 1 image_url") as error:
+        client.chat.completions.create(messages=user(image_part(), text_part("<image><image>x")),
+                                       model=model_id)
+    assert error.value.body["param"] == "messages"
     raw = requests.post(f"{SERVE_URL}/v1/chat/completions", data="{", timeout=30,
                         headers={"content-type": "application/json"})
     assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param", "code"}

@@ -217,9 +217,13 @@ def test_four_times_capacity_is_answered_or_refused_never_lost(limited):
     assert response.status_code == 200
 
 
-def decoder_running(app: str) -> int:
+def decoder_stats(app: str) -> dict:
     from ray import serve
-    return serve.get_deployment_handle("Decoder", app).stats.remote().result(timeout_s=60)["running"]
+    return serve.get_deployment_handle("Decoder", app).stats.remote().result(timeout_s=60)
+
+
+def decoder_running(app: str) -> int:
+    return decoder_stats(app)["running"]
 
 
 def wait_until_idle(app: str, seconds: float = 30) -> bool:
@@ -231,25 +235,64 @@ def wait_until_idle(app: str, seconds: float = 30) -> bool:
     return False
 
 
+# A generation of LONG tokens takes ~30 s on 2 CPU cores; freed within FREED_WITHIN_S of the
+# time limit, it was aborted, not left to end by itself.
+LONG = {"max_tokens": 2000, "ngram": {"enabled": False}}
+FREED_WITHIN_S = 3.0
+
+
+def assert_decoder_freed_soon(app: str) -> None:
+    """Within FREED_WITHIN_S: no sequence running or waiting and no KV page held; then, a
+    second later, still none (no queued work of the request started afterwards)."""
+    deadline, stats = time.time() + FREED_WITHIN_S, None
+    while time.time() < deadline:
+        stats = decoder_stats(app)
+        if stats["running"] == stats["waiting"] == stats["kv_cache_pages_in_use"] == 0:
+            break
+        time.sleep(0.1)
+    assert stats["running"] == stats["waiting"] == stats["kv_cache_pages_in_use"] == 0, \
+        f"the request's generation went on after its time limit: {stats}"
+    time.sleep(1.0)
+    stats = decoder_stats(app)
+    assert stats["running"] == stats["waiting"] == 0, f"work of the request started later: {stats}"
+
+
 def test_time_limit_answers_408_and_aborts_the_decode(serve_app):
-    body = {"image": png((300, 200)), "max_tokens": 2000, "timeout_s": 1.5,
-            "ngram": {"enabled": False}}
+    body = {"image": png((300, 200)), **LONG, "timeout_s": 1.5}
     response = requests.post(f"{SERVE_URL}/v1/ocr", json=body, timeout=120)
     assert response.status_code == 408, response.text
     assert "timeout_s" in response.json()["error"]["message"]
-    assert wait_until_idle(SERVE_APP), "the decode went on after the time limit"
+    assert_decoder_freed_soon(SERVE_APP)
 
 
 def test_stream_out_of_time_sends_an_error_event_then_done(serve_app):
-    body = {"image": png((300, 200)), "max_tokens": 2000, "stream": True, "timeout_s": 3,
-            "ngram": {"enabled": False}}
+    body = {"image": png((300, 200)), **LONG, "stream": True, "timeout_s": 3}
     response = requests.post(f"{SERVE_URL}/v1/ocr", json=body, timeout=120, stream=True)
     assert response.status_code == 200
     events = [line.removeprefix("data: ") for line in response.iter_lines(decode_unicode=True) if line]
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["type"] == "timeout"
     assert any("text" in json.loads(e) for e in events[:-2])  # it had begun
-    assert wait_until_idle(SERVE_APP)
+    assert_decoder_freed_soon(SERVE_APP)
+
+
+def test_document_out_of_time_cancels_its_pages(serve_app):
+    """A 6-page PDF whose pages each generate for ~30 s: at the time limit the pages being
+    generated are aborted and those still queued never start."""
+    from tests.pdfs import make_pdf
+    document = base64.b64encode(make_pdf(6, size=(200, 300))).decode()
+    body = {"document": document, **LONG, "timeout_s": 2, "dpi": 72}
+    response = requests.post(f"{SERVE_URL}/v1/ocr", json=body, timeout=120)
+    assert response.status_code == 408, response.text
+    assert_decoder_freed_soon(SERVE_APP)
+
+
+def test_total_ms_is_the_whole_request_and_holds_every_stage(serve_app):
+    body = {"image": png((900, 700)), "max_tokens": 8}
+    timings = requests.post(f"{SERVE_URL}/v1/ocr", json=body, timeout=300).json()["timings"]
+    assert timings["total_ms"] >= timings["encoding_ms"] + timings["decode_ms"], timings
+    stages = ("preprocess_ms", "encode_ms", "assemble_ms", "decode_ms", "prefill_ms", "generate_ms")
+    assert all(0 <= timings[stage] <= timings["total_ms"] for stage in stages), timings
 
 
 def test_dropped_stream_frees_its_decoder_slot(serve_app):
