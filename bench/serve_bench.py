@@ -239,7 +239,7 @@ def main(argv=None):
     global PAGES, ROUTERS, ROUTER_CPUS, ENCODER_CPUS, ITERS, WARMUP, SUSTAINED
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=RESULTS)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (3; --smoke: 2)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few pages")
     parser.add_argument("--py_spy", metavar="DIR", help="sample the first variant's encoder(s), "
                         "one router and this driver under load with py-spy, into DIR")
@@ -248,8 +248,12 @@ def main(argv=None):
                                                           "shared-router-views"],
                         help="besides 'separate' (run when there are 2 GPUs)")
     opts = parser.parse_args(argv)
+    # The smoke run is sized for 2 CPU cores (about a minute and a half there): every variant
+    # and phase, few and small pages.
+    opts.reps = opts.reps or (2 if opts.smoke else 3)
+    page_size = (800, 1100) if opts.smoke else (1191, 1684)
     if opts.smoke:
-        PAGES, ROUTERS, ROUTER_CPUS, ENCODER_CPUS, ITERS, WARMUP, SUSTAINED = 4, 1, 0.25, 0.25, 2, 1, 2
+        PAGES, ROUTERS, ROUTER_CPUS, ENCODER_CPUS, ITERS, WARMUP, SUSTAINED = 4, 1, 0.25, 0.25, 2, 1, 1
     else:
         assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU (or --smoke)"
     import ray
@@ -259,7 +263,7 @@ def main(argv=None):
     keep_freed_memory()
     args = EncoderArgs.tiny() if opts.smoke else EncoderArgs()
     checkpoint = write_random_checkpoint(tempfile.mkdtemp(), args)
-    pages = [page_png(seed) for seed in range(8)]
+    pages = [page_png(seed, page_size) for seed in range(8)]
     baseline = in_process(checkpoint, pages, opts.reps)
     if n_gpus:
         torch.cuda.empty_cache()  # the in-process graphs are gone; return their memory
@@ -294,7 +298,7 @@ def main(argv=None):
         "benchmark": "Serve encode path vs in-process", "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name() if n_gpus else "cpu", "gpus": n_gpus,
         "torch": torch.__version__,
-        "router_replicas": ROUTERS, "pages": "e2e bench text pages (1191x1684 PNG, 2x3 crops)",
+        "router_replicas": ROUTERS, "pages": f"e2e bench text pages ({page_size[0]}x{page_size[1]} PNG)",
         "in_process": baseline, "variants": variants, "summary": summary})
 
 

@@ -12,7 +12,18 @@ code defaults (a quarter CPU each, so the four replicas of the tiny CPU app fit 
 # No `from __future__ import annotations`: Serve reads the builder's argument type at runtime.
 import os
 
+import ray
 from ray.serve import Application
+
+from . import PRELOAD_MODULES
+
+# `serve run deployments.app:...` imports this module before it starts its local Ray cluster:
+# the workers that cluster starts ahead then import the app's modules (torch included) before
+# they are given a replica, so the replicas, the Router first among them, start seconds sooner
+# (a /health probe during start-up waits for the Router). A cluster started elsewhere sets it
+# in its own `ray start` environment (cluster.yaml).
+if not ray.is_initialized():
+    os.environ.setdefault("RAY_preload_python_modules", PRELOAD_MODULES)
 
 from .config import AppConfig
 from .decoder_server import DecoderServer

@@ -15,6 +15,11 @@ STUCK_AFTER_S = 300
 # Health checks also run the model's real path this often (when the replica is idle): a one-view
 # graph replay in an encoder, a one-token forward in the decoder.
 PROBE_EVERY_S = 60
+# Code defaults of every deployment's shutdown (the YAMLs set their own): a replica going away
+# waits this long for its requests in flight, checking every half second. Short, so that Ctrl-C
+# on `serve run` ends the app within seconds even while a page is generating (the Router goes
+# first, then the tiers it calls); the GPU configs give rolling updates time to finish pages.
+SHUTDOWN = {"graceful_shutdown_timeout_s": 2.0, "graceful_shutdown_wait_loop_s": 0.5}
 
 
 class AppConfig(BaseModel):

@@ -18,7 +18,7 @@ from ray import serve
 from decoder import (AsyncEngine, GenerationEngine, GenerationRequest, SamplingParams, load_decoder,
                      load_tokenizer)
 
-from .config import PROBE_EVERY_S, STUCK_AFTER_S, AppConfig
+from .config import PROBE_EVERY_S, SHUTDOWN, STUCK_AFTER_S, AppConfig
 from .metrics import decoder_metrics
 from .model_source import (device_and_dtype, prepare_replica_process, replica_id, resolve_checkpoint,
                            start_cuda, startup_phases)
@@ -28,7 +28,7 @@ from .protocol import Wire, from_wire
 # max_queued_requests: past it, callers get BackPressureError at once (the router answers 503
 # with Retry-After) instead of queueing without bound.
 @serve.deployment(max_ongoing_requests=288, max_queued_requests=512,
-                  ray_actor_options={"num_cpus": 0.25})
+                  ray_actor_options={"num_cpus": 0.25}, **SHUTDOWN)
 class DecoderServer:
     def __init__(self, config: AppConfig):
         constructor_start = time.perf_counter()

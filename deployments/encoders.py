@@ -35,7 +35,7 @@ from encoder.preprocess import (DEFAULT_MAX_CROPS, MAX_CROPS_LIMIT, ImageHeader,
                                 crops_of, decode_header, global_view_of)
 from scheduler import BatchQueue
 
-from .config import PROBE_EVERY_S, STUCK_AFTER_S, AppConfig
+from .config import PROBE_EVERY_S, SHUTDOWN, STUCK_AFTER_S, AppConfig
 from .metrics import encoder_metrics, medians
 from .model_source import (device_and_dtype, prepare_replica_process, replica_id, resolve_checkpoint,
                            start_cuda, startup_phases)
@@ -336,4 +336,5 @@ class EncoderReplica:
 # max_queued_requests: past it, callers get BackPressureError at once (the router answers 503
 # with Retry-After) instead of queueing without bound.
 PathEncoder = serve.deployment(EncoderReplica, name="PathEncoder", max_ongoing_requests=256,
-                               max_queued_requests=1024, ray_actor_options={"num_cpus": 0.25})
+                               max_queued_requests=1024, ray_actor_options={"num_cpus": 0.25},
+                               **SHUTDOWN)

@@ -56,7 +56,7 @@ from encoder.preprocess import (DecodedImage, ImageHeader, PendingImage, decode,
 from . import openai_api
 from . import pages
 from . import protocol  # protocol.REQUEST_ARRIVED: a module pickles by name, a ContextVar not at all
-from .config import AppConfig
+from .config import SHUTDOWN, AppConfig
 from .encoded_cache import EncodedCache, content_key
 from .encoders import EncoderReplica
 from .media import crop_image_blocks, decode_data_url, read_image_url
@@ -171,14 +171,15 @@ async def _read(request: Request, max_bytes: int) -> tuple[Images | Document, di
     sent = {}
     for key in SOURCE_FIELDS:
         value = body.pop(key, None)
-        if value is not None:
-            sent[key] = value if key == "images" and isinstance(value, list) else [value]
+        if value is not None:  # `image` may be a list too, `images` one string
+            sent[key] = value if isinstance(value, list) and key != "document" else [value]
     return _source(sent), body, True
 
 
 def _source(sent: dict[str, list]) -> Images | Document:
-    """A request's images, each named by its field (`image`, `images[2]`), or its one PDF, from
-    the values sent in each source field (bytes, or base64 text / data: URLs)."""
+    """A request's images, each named by its field (`image` when it is the one value sent in
+    it, else `images[2]`, `image[1]`), or its one PDF, from the values sent in each source field
+    (bytes, or base64 text / data: URLs)."""
     if "image" in sent and "images" in sent:
         raise BadRequest("send 'image' or 'images', not both", "images")
     if "document" in sent:
@@ -276,7 +277,7 @@ def _handle_source(image, document) -> Document:
     return Document(bytes(document) if isinstance(document, bytearray) else document)
 
 
-@serve.deployment(max_ongoing_requests=200, ray_actor_options={"num_cpus": 0.25})
+@serve.deployment(max_ongoing_requests=200, ray_actor_options={"num_cpus": 0.25}, **SHUTDOWN)
 @serve.ingress(api)
 class Router:
     def __init__(self, global_encoder: DeploymentHandle | None, local_encoder: DeploymentHandle | None,

@@ -1,5 +1,10 @@
-"""What several test files check the same way (not a test file)."""
+"""What several test files make or check the same way (not a test file)."""
 from __future__ import annotations
+
+import io
+import random
+
+from PIL import Image
 
 # What Ray's wrapper of a replica's exception carries, and what a client must never see.
 LEAKS = ("ray::", "pid=", "ip=", "actor_id", "\x1b[", "Traceback", "ServeReplica")
@@ -15,3 +20,14 @@ def assert_clean_error(response, status: int, words: str, param: str | None) -> 
     assert words in error["message"], error
     assert not any(leak in response.text for leak in LEAKS), response.text[:2000]
     return error
+
+
+def truncated_image(fmt: str) -> bytes:
+    """A noisy 1200x900 page in `fmt` (PNG or JPEG), cut to its first third: its header reads
+    (size, orientation, grid) and its pixels do not, so it fails wherever it is decoded (an
+    encoder replica, by default), not where the header is read."""
+    noise = Image.frombytes("RGB", (300, 225), random.Random(1).randbytes(300 * 225 * 3))
+    buffer = io.BytesIO()
+    noise.resize((1200, 900)).save(buffer, fmt)
+    whole = buffer.getvalue()
+    return whole[:len(whole) // 3]

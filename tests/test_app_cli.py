@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -12,6 +13,7 @@ from PIL import Image
 
 requests = pytest.importorskip("requests")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STOPS_WITHIN_S = 15  # measured ~8 s (2 cores): Serve's own teardown is ~4 of them
 
 
 def test_serve_run_subprocess(tmp_path):
@@ -43,7 +45,18 @@ def test_serve_run_subprocess(tmp_path):
         body = response.json()
         assert body["usage"]["image_tokens"] == 483 and body["usage"]["completion_tokens"] == 4
         assert body["model"] == "tiny-random" and "RANDOM" in body["warning"]
+        # A generation of ~30 s on 2 cores is running when Ctrl-C comes.
+        long = {"image": base64.b64encode(buf.getvalue()).decode(), "max_tokens": 4000,
+                "ngram": {"enabled": False}}
+        def generate():
+            try:
+                requests.post("http://127.0.0.1:8000/v1/ocr", json=long, timeout=300)
+            except requests.RequestException:  # cut off by the shutdown: expected
+                pass
+        threading.Thread(target=generate, daemon=True).start()
+        time.sleep(3)
     finally:
+        interrupted = time.monotonic()
         proc.send_signal(signal.SIGINT)  # Ctrl-C: Serve shuts the app down and exits
         try:
             code = proc.wait(timeout=120)
@@ -51,7 +64,11 @@ def test_serve_run_subprocess(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             code = "killed"
         log.close()
+    stopped_after = time.monotonic() - interrupted
     assert code == 0, (code, open(tmp_path / "serve.log").read()[-3000:])
+    # The replicas' short graceful shutdown (deployments/config.py SHUTDOWN): seconds, not the
+    # ~30 s Serve's default grace took with a generation running.
+    assert stopped_after < STOPS_WITHIN_S, f"Ctrl-C took {stopped_after:.1f} s"
 
 
 def test_serve_run_of_a_missing_checkpoint_fails_with_one_clear_message(tmp_path):

@@ -16,7 +16,7 @@ requests = pytest.importorskip("requests")
 pytest.importorskip("ray")
 
 from tests.conftest import SERVE_URL, replica_ids  # noqa: E402
-from tests.helpers import assert_clean_error  # noqa: E402
+from tests.helpers import assert_clean_error, truncated_image  # noqa: E402
 
 OCR = f"{SERVE_URL}/v1/ocr"
 
@@ -169,19 +169,11 @@ def test_bad_requests_answer_4xx_json_naming_the_problem(app, name):
     assert_clean_error(response, status, words, param)
 
 
-def truncated(fmt: str) -> bytes:
-    """A noisy 1200x900 page in `fmt`, cut to its first third: the header reads (size, grid),
-    the pixels do not (so the encoder replica, which decodes, is where it fails)."""
-    noise = Image.frombytes("RGB", (300, 225), random.Random(1).randbytes(300 * 225 * 3))
-    whole = encoded(noise.resize((1200, 900)), fmt)
-    return whole[:len(whole) // 3]
-
-
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
 def test_header_valid_truncated_images_answer_their_own_problem(app, fmt):
     """The image's own problem, with the field it came in, on every route; never Ray's wrapper
     of the replica's exception (actor, pid, address, colours)."""
-    broken = truncated(fmt)
+    broken = truncated_image(fmt)
     assert_clean_error(requests.post(OCR, json={"image": b64(broken)}, timeout=300),
                        400, "cannot decode image", "image")
     two = {"images": [tiny_png(), b64(broken)], "prompt": "<image><image>x"}

@@ -18,6 +18,7 @@ from deployments.model_source import resolve_checkpoint  # noqa: E402
 from encoder import DualPathEncoder, load_encoder  # noqa: E402
 from tests.conftest import SERVE_APP as APP  # noqa: E402
 from tests.conftest import SERVE_URL as URL  # noqa: E402
+from tests.helpers import assert_clean_error, truncated_image  # noqa: E402
 
 # untiled photo, A4 page at 144 dpi (2x3), 1x6 strip, an image <= 640 (never tiled)
 CASES = [((448, 448), 273), ((1191, 1684), 903), ((640, 3840), 933), ((500, 300), 273)]
@@ -195,6 +196,10 @@ def test_encode_only_app_with_views_made_by_the_router(handle):
         assert seq.shape[0] == 493 and torch.equal(got, seq)  # upright: 700x1400, 1x2 crops
         with pytest.raises(Exception, match="encode-only"):
             encode_only.ocr.remote(picture((64, 64), 1)).result(timeout_s=60)
+        for fmt in ("PNG", "JPEG"):  # decoded by the router: its own error, named
+            body = {"image": base64.b64encode(truncated_image(fmt)).decode()}
+            response = requests.post(f"{URL}/enc/v1/encode", json=body, timeout=120)
+            assert_clean_error(response, 400, "cannot decode image", "image")
     finally:
         serve.delete("encode-only")
 
@@ -227,6 +232,10 @@ def test_one_encoder_app_equals_the_two_encoder_app(handle, placement):
         broken = png(picture((900, 700), 3))[:2000]
         with pytest.raises(Exception, match="(?i)image"):
             one.encode.remote(broken).result(timeout_s=60)
+        for fmt in ("PNG", "JPEG"):  # over HTTP: the image's own problem, never Ray's wrapper
+            body = {"image": base64.b64encode(truncated_image(fmt)).decode()}
+            response = requests.post(f"{URL}/{name}/v1/ocr", json=body, timeout=120)
+            assert_clean_error(response, 400, "cannot decode image", "image")
         (seq,) = one.encode.remote(image).result(timeout_s=300)
         assert seq.shape[0] == 903
 
