@@ -137,7 +137,7 @@ def measure(model, tokenizer, args, embeds, max_len, variant, repeats) -> dict:
     if hasattr(model, "use_moe_kernel"):
         model.use_moe_kernel("grouped_mm" if variant == "decode_graphs_grouped_mm" else "auto")
         # Prefills (over 4,096 rows) on the grouped matmuls, decode steps fused: as before the
-        # prefill tiles (bench/tune_moe_kernel.py --prefill 1).
+        # prefill tiles (bench/tune/tune_moe_kernel.py --prefill 1).
         Experts.TRITON_MAX_ROWS = 4096 if variant == "decode_graphs_prefill_grouped_mm" else None
     if hasattr(model, "use_rope_kernel"):
         model.use_rope_kernel("torch" if variant == "decode_graphs_torch_rope" else "auto")

@@ -43,7 +43,8 @@ sys.path.insert(0, ROOT)
 from bench.common import RESULTS, write_result  # noqa: E402
 from deployments import PRELOAD_MODULES  # noqa: E402
 
-URL = "http://127.0.0.1:8000"
+PORT = 8000  # --port: HTTP on 127.0.0.1
+URL = f"http://127.0.0.1:{PORT}"
 GENERATED = 700
 CONCURRENCY = (1, 16, 64, 256)
 TARGETS = {"pages_per_s_best": 20.0, "cold_start_s": 30.0}
@@ -88,7 +89,7 @@ def serve_config(path: str, checkpoint: str | None, smoke: bool, routers: int | 
         router.setdefault("autoscaling_config", {})["min_replicas"] = routers
         router["autoscaling_config"]["max_replicas"] = max(routers, router["autoscaling_config"].get("max_replicas", 1))
     app["deployments"] = list(deployments.values())
-    config["http_options"] = {**config.get("http_options", {}), "host": "127.0.0.1", "port": 8000}
+    config["http_options"] = {**config.get("http_options", {}), "host": "127.0.0.1", "port": PORT}
     with open(path, "w") as f:
         yaml.safe_dump(config, f)
     return path
@@ -140,6 +141,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few pages")
+    parser.add_argument("--port", type=int, default=8000, help="the app's HTTP port on 127.0.0.1")
     parser.add_argument("--levels", default=",".join(map(str, CONCURRENCY)),
                         help="requests in flight to measure, e.g. 64,256")
     parser.add_argument("--routers", type=int, default=None,
@@ -156,6 +158,8 @@ def main(argv=None) -> None:
                         "machine's Triton kernel cache (default: an empty one, as on a fresh node, so "
                         "the cold start includes compiling the app's kernels)")
     opts = parser.parse_args(argv)
+    global PORT, URL  # the helpers above read them
+    PORT, URL = opts.port, f"http://127.0.0.1:{opts.port}"
     work = tempfile.mkdtemp(prefix="e2e-")
     checkpoint, levels, max_tokens = None, tuple(int(c) for c in opts.levels.split(",")), GENERATED
     if opts.smoke:

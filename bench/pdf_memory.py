@@ -17,14 +17,17 @@ import argparse
 import base64
 import datetime
 import json
+import os
+import sys
 import threading
 import time
 
 import requests
 
-from bench.common import RESULTS, write_result
-from deployments.config import AppConfig
-from tests.pdfs import make_pdf
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # also `python bench/pdf_memory.py`
+from bench.common import RESULTS, write_result  # noqa: E402
+from deployments.config import AppConfig  # noqa: E402
+from tests.pdfs import make_pdf  # noqa: E402
 
 URL = "http://127.0.0.1:8000"
 

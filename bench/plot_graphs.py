@@ -1,19 +1,19 @@
 """Plot batch-1 latency per image size, eager vs CUDA graphs, from a graphs-<date>.json.
 
-    python bench/plot_graphs.py bench/results/graphs-2026-11-30.json   # -> ...-latency.png
+    python bench/plot_graphs.py bench/results/graphs-pinned-views-2026-12-04.json   # -> ...-latency.png
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 
 def main(path: str) -> str:
+    import matplotlib  # the bench extra (pyproject's `bench`), imported only to plot
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     result = json.load(open(path))
     rows = result["latency_b1"]
     names = list(rows)
@@ -38,4 +38,6 @@ def main(path: str) -> str:
 
 
 if __name__ == "__main__":
-    print(main(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", help="a graphs-<date>.json that bench/graph_bench.py wrote")
+    print(main(parser.parse_args().path))

@@ -221,6 +221,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script")
+    parser.add_argument("--port", type=int, default=8000, help="Serve's HTTP port on 127.0.0.1")
     parser.add_argument("--max-tokens", type=int, default=256)
     opts = parser.parse_args(argv)
     import ray
@@ -234,6 +235,8 @@ def main(argv=None):
     max_tokens = 4 if opts.smoke else opts.max_tokens
     levels = (1, 4) if opts.smoke else (1, 8, 32, 64)
     ray.init(num_cpus=4 if opts.smoke else None, num_gpus=gpus, include_dashboard=False)
+    from ray import serve
+    serve.start(http_options={"host": "127.0.0.1", "port": opts.port})
     plans, sampler = layouts(gpus, opts.smoke), GpuSampler()
     spread = sweep("spread", checkpoint, plans["spread"], levels, max_tokens, opts.smoke, sampler)
     squeezed = sweep("squeezed", checkpoint, plans["squeezed"], levels, max_tokens, opts.smoke, sampler)

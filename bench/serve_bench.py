@@ -18,8 +18,7 @@ Encoder process on the GPU, one call per page), "shared-encoder-in-router" (enco
 that Encoder inside the one Router replica, which takes the GPU share: one Serve call per page)
 and "shared-router-views" (views_on_encoder=false:
 the routers make the views with PIL, the reference path and the design before); any of them
-with "-wait" after it: the encoders' batches wait for pages still decoding
-(`encoder_batch_wait_ms`, BATCH_WAIT_MS), or "-decode<N>": N decode threads per encoder
+with "-decode<N>" after it: N decode threads per encoder
 (`encoder_decode_threads`, 4 by default). 4 router replicas (2 CPUs each).
 Each measurement is repeated `reps` times in this one run; each ratio is the median over the
 repetitions of (Serve rep i) / (in-process rep i). This process takes the replicas' allocator
@@ -53,9 +52,6 @@ TARGETS = {"latency_ratio_p50": 1.25, "throughput_ratio_c64_vs_encode_only": 0.8
 PAGES, ROUTERS, ROUTER_CPUS, ENCODER_CPUS = 64, 4, 2, 2
 ITERS, WARMUP = 30, 5  # p50 of 30 calls after 5 warm-ups, per repetition
 SUSTAINED = 5  # pages/s at 64 in flight: over 5 x 64 calls, 64 outstanding at all times
-# "-wait" variants: a batch waits up to this long for pages its replica is still decoding (a
-# page's decode and views take ~12 ms there under load).
-BATCH_WAIT_MS = 15
 
 
 def pages_per_s(fn) -> float:
@@ -126,7 +122,7 @@ def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int,
     from deployments.encoders import PathEncoder
     from deployments.router import Router
     decode = re.search(r"-decode(\d+)$", variant)
-    base = variant.removesuffix("-wait").removesuffix(decode.group(0) if decode else "")
+    base = variant.removesuffix(decode.group(0) if decode else "")
     placement = (base.removesuffix("-router-views").removesuffix("-one-encoder")
                  .removesuffix("-encoder-in-router"))
     gpus = {"separate": (1.0, 1.0), "shared": (0.5, 0.5)}[placement]
@@ -138,7 +134,6 @@ def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int,
                        views_on_encoder=not base.endswith("-router-views"),
                        one_encoder=base.endswith("-one-encoder"),
                        encoder_in_router=base.endswith("-encoder-in-router"),
-                       encoder_batch_wait_ms=BATCH_WAIT_MS if variant.endswith("-wait") else 0,
                        **({"encoder_decode_threads": int(decode.group(1))} if decode else {}))
     routers = {"num_replicas": ROUTERS, "ray_actor_options": {"num_cpus": ROUTER_CPUS}}
     if config.encoder_in_router:  # one Router with the Encoder's share and torch threads
@@ -241,6 +236,7 @@ def main(argv=None):
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--reps", type=int, default=None, help="repetitions (3; --smoke: 2)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few pages")
+    parser.add_argument("--port", type=int, default=8000, help="Serve's HTTP port on 127.0.0.1")
     parser.add_argument("--py_spy", metavar="DIR", help="sample the first variant's encoder(s), "
                         "one router and this driver under load with py-spy, into DIR")
     parser.add_argument("--variants", nargs="+", default=["shared", "shared-one-encoder",
@@ -269,6 +265,8 @@ def main(argv=None):
         torch.cuda.empty_cache()  # the in-process graphs are gone; return their memory
     print("in-process", baseline, flush=True)
     ray.init(num_gpus=n_gpus, num_cpus=2 if opts.smoke else None, include_dashboard=False)
+    from ray import serve
+    serve.start(http_options={"host": "127.0.0.1", "port": opts.port})
     variants = {}
     for i, variant in enumerate((["separate"] if n_gpus >= 2 else []) + opts.variants):
         row = through_serve(checkpoint, pages, variant, opts.reps, opts.py_spy if i == 0 else None)

@@ -10,13 +10,16 @@ import os
 import subprocess
 import sys
 
+from tests.helpers import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_smoke(script: str, stem: str, out) -> dict:
     """`bench/<script> --smoke` in a fresh interpreter (its own Ray cluster): the JSON it wrote."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    done = subprocess.run([sys.executable, f"bench/{script}", "--smoke", "--out", str(out)],
+    done = subprocess.run([sys.executable, f"bench/{script}", "--smoke", "--out", str(out),
+                           "--port", str(free_port())],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [path] = list(out.glob(f"{stem}-smoke-*.json"))
@@ -76,23 +79,3 @@ def test_serve_bench_smoke(tmp_path):
                 "encoder_unstaged_ms"} <= set(variant["hops_one_at_a_time"])
     assert [v["views_on_encoder"] for v in result["variants"].values()] == [True, True, True, False]
 
-
-def test_kernel_families_name_our_kernels():
-    """The profile tables' per-family totals: our Triton kernels counted as ours, not 'other'
-    (the paged attention's split kernel once was: 52% of a 256-sequence step filed as 'other';
-    the MoE kernels' first profile filed them there too)."""
-    from types import SimpleNamespace
-
-    from bench.common import kernel_families
-    cuda = SimpleNamespace(name="CUDA")
-    events = [SimpleNamespace(key=k, device_type=cuda, self_device_time_total=us) for k, us in [
-        ("_split_kernel", 4000.0), ("_combine_kernel", 100.0), ("_relpos_attention_fwd_kernel", 50.0),
-        ("nvjet_sm90_tst_64x32_64x16_2x4_h_bz_TNT", 300.0), ("void at::native::radixSortKVInPlace", 30.0),
-        ("_gate_up_kernel", 76.0), ("_down_kernel", 52.0)]]
-    events.append(SimpleNamespace(key="aten::mm", device_type=SimpleNamespace(name="CPU"),
-                                  self_device_time_total=999.0))  # host-side rows are skipped
-    families = kernel_families(events)
-    assert families["paged attention (ours)"] == 4.1
-    assert families["relpos attention (ours)"] == 0.05 and families["matmul"] == 0.3
-    assert families["moe experts (ours)"] == 0.128  # the MoE kernels once were 'other' too
-    assert families["other"] == 0.03 and list(families)[0] == "paged attention (ours)"  # largest first

@@ -1,6 +1,6 @@
 """Pick the fused MoE kernels' tiles on this GPU, for decode steps and for prefills.
 
-    python bench/tune_moe_kernel.py [--out DIR] [--prefill 1] [--write_tiles 1]
+    python bench/tune/tune_moe_kernel.py [--out bench/results] [--prefill 1]
 
 One MoE layer at real DeepSeek-3B-MoE dims (64 experts, hidden 1,280, intermediate 896, top 6),
 bf16, random weights and routing. Decode (the default): 1 to 682 tokens (682 x 6 rows stays
@@ -10,22 +10,24 @@ and with stores and one sum. Each kernel of decoder/triton_moe.py is timed over 
 tiles, ten launches in one CUDA graph (GPU time, no Python launch cost), checked against the
 grouped-matmul reference. The pick: the tile with the least time summed over the mode's batches
 (decode: 1 to 256 tokens), each kernel apart. Then the whole experts forward (sort, kernels)
-with those tiles against the grouped-matmul path, at every batch. Writes
-moe-kernel-tuning[-prefill]-<date>.json and prints the picked tiles; --write_tiles 1 also
-rewrites their two lines in decoder/triton_moe.py.
+with those tiles against the grouped-matmul path, at every batch (the tiles set on the imported
+module for this process only). Prints the picked tiles as the two lines of decoder/triton_moe.py
+a maintainer would copy them into (GATE_UP_TILE / DOWN_TILE, or PREFILL_GATE_UP_TILE /
+PREFILL_DOWN_TILE with --prefill 1); this script never edits source. Writes
+bench/results/tune-moe-kernel.json (--prefill 1: tune-moe-kernel-prefill.json; `--out DIR` or
+`--out FILE.json` to change).
 """
 from __future__ import annotations
 
 import datetime
 import itertools
 import os
-import re
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import graph_replay_ms, options, rel_err, write_result  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from bench.common import graph_replay_ms, options, rel_err, write_tuning  # noqa: E402
 from decoder.config import DecoderArgs  # noqa: E402
 from decoder.model import Experts  # noqa: E402
 from decoder import triton_moe  # noqa: E402
@@ -47,6 +49,7 @@ PREFILL = {
     "attributes": ("PREFILL_GATE_UP_TILE", "PREFILL_DOWN_TILE"),
 }
 LAUNCHES = 10  # per graph: one replay's fixed cost spread thin
+COPY_INTO = "decoder/triton_moe.py"  # the file whose tile constants a maintainer sets from the pick
 
 
 def per_launch_us(fn) -> float:
@@ -56,22 +59,14 @@ def per_launch_us(fn) -> float:
     return graph_replay_ms(ten, 20) * 1e3 / LAUNCHES
 
 
-def write_tiles(tiles: dict[str, Tile]) -> None:
-    """Rewrite `NAME = Tile(...)` in decoder/triton_moe.py for each picked tile."""
-    path = triton_moe.__file__
-    with open(path) as f:
-        source = f.read()
-    for name, tile in tiles.items():
-        fields = ", ".join(map(str, tile[:5])) + ("" if tile.atomic_add else ", atomic_add=False")
-        source, count = re.subn(rf"^{name} = Tile\(.*\)$", f"{name} = Tile({fields})", source, flags=re.M)
-        assert count == 1, f"{name} not found once in {path}"
-    with open(path, "w") as f:
-        f.write(source)
-    print("rewrote", ", ".join(tiles), "in", path)
+def tile_source(name: str, tile: Tile) -> str:
+    """`NAME = Tile(...)` as decoder/triton_moe.py spells it, ready to paste over its line there."""
+    fields = ", ".join(map(str, tile[:5])) + ("" if tile.atomic_add else ", atomic_add=False")
+    return f"{name} = Tile({fields})"
 
 
 def main(argv=None):
-    opts = options(argv, prefill=0, write_tiles=0)
+    opts = options(argv, prefill=0)
     mode = PREFILL if opts.prefill else DECODE
     args = DecoderArgs()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -122,8 +117,9 @@ def main(argv=None):
     names = mode["attributes"]
     print(f"picked: {names[0]} = {chosen['gate_up']}, {names[1]} = {chosen['down']} "
           f"(were {getattr(triton_moe, names[0])}, {getattr(triton_moe, names[1])})")
-    if opts.write_tiles:
-        write_tiles({names[0]: chosen["gate_up"], names[1]: chosen["down"]})
+    copy_into = f"{COPY_INTO}: {names[0]}, {names[1]}"
+    source = "\n".join([tile_source(names[0], chosen["gate_up"]), tile_source(names[1], chosen["down"])])
+    print(f"to adopt them, copy into {copy_into}:\n{source}", flush=True)
     # The whole experts forward, as Experts.forward runs it, with the chosen tiles.
     setattr(triton_moe, names[0], chosen["gate_up"])
     setattr(triton_moe, names[1], chosen["down"])
@@ -148,10 +144,11 @@ def main(argv=None):
                **{f"gate_up_us_{t}": totals["gate_up"][chosen["gate_up"]][t] for t in mode["picked_over"]},
                **{f"down_us_{t}": totals["down"][chosen["down"]][t] for t in mode["picked_over"]},
                **{f"forward_speedup_{t}": forward[str(t)]["speedup"] for t in mode["tokens"]}}
-    write_result(opts.out, "moe-kernel-tuning-prefill" if opts.prefill else "moe-kernel-tuning",
+    write_tuning(opts.out, "moe-kernel-prefill" if opts.prefill else "moe-kernel",
                  {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
                   "torch": torch.__version__, "experts_weight_gb": weight_gb,
                   "mode": "prefill" if opts.prefill else "decode",
+                  "copy_into": copy_into, "source": source,
                   "note": "each kernel's grid ran beside the module's tile of the other; the "
                           "forward comparison runs the chosen tiles",
                   "summary": summary, "forward": forward, "tokens": rows})

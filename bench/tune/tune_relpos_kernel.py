@@ -1,6 +1,6 @@
 """Pick tile configs for the Triton rel-pos attention kernel on this GPU.
 
-    python bench/tune_relpos_kernel.py [--out DIR] [--jobs 16] [--write_tuned 1]
+    python bench/tune/tune_relpos_kernel.py [--out bench/results] [--jobs 16]
 
 For the four attention shapes a page batch runs (global block on 1024² views, global block on
 640² crops, SAM's 14x14 windows addressed in place on both grids; 12 heads x 64, bf16, 8 views
@@ -10,9 +10,10 @@ x ROWS rows, and for a 40-wide row a 32-column part plus an 8-column tail of TAI
 BLOCK_M, warps and stages. Each config is checked against the dense-bias reference (windows:
 the tiles before, which the tests check against padded partitions with the dense bias).
 The best config per window width (the sum over the shapes of that width) is printed as the
-`TUNED` table of encoder/triton_relpos.py, and with --write_tuned 1 written into it. The
-configs compile first in --jobs processes at once (Triton's cache then serves the timing
-process). Writes relpos-kernel-tuning-<date>.json.
+`TUNED` table of encoder/triton_relpos.py, for a maintainer to copy there; this script never
+edits source. The configs compile first in --jobs processes at once (Triton's cache then serves
+the timing process). Writes bench/results/tune-relpos-kernel.json (`--out DIR` or `--out
+FILE.json` to change).
 """
 from __future__ import annotations
 
@@ -22,13 +23,12 @@ import itertools
 import json
 import multiprocessing
 import os
-import re
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import options, rel_err, time_ms, write_result  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from bench.common import options, rel_err, time_ms, write_tuning  # noqa: E402
 from encoder import triton_relpos  # noqa: E402
 from encoder.relpos_attention import dense_relpos_attention, rel_table  # noqa: E402
 
@@ -40,6 +40,7 @@ LAYOUTS = {64: [(64, 1, 0), (64, 2, 0)],
            40: [(64, 2, 0), (64, 1, 0), (32, 4, 8), (32, 4, 16), (32, 2, 16)],
            14: [(16, 4, 0), (16, 8, 0), (8, 16, 16)]}
 GRID = list(itertools.product((64, 128), (4, 8), (2, 3)))  # BLOCK_M, warps, stages
+COPY_INTO = "encoder/triton_relpos.py: TUNED"  # where a maintainer copies the pick
 
 
 def width(shape: str) -> int:
@@ -103,20 +104,15 @@ def warm_cache(jobs: int) -> None:
     print(f"compiled {done} configs in {jobs} processes", flush=True)
 
 
-def write_tuned(tuned: dict[int, dict]) -> None:
-    path = triton_relpos.__file__
-    source = open(path).read()
+def tuned_source(tuned: dict[int, dict]) -> str:
+    """The pick as the `TUNED` table's source, ready to paste over the one in COPY_INTO."""
     lines = "".join(f"    {w}: dict({', '.join(f'{k}={v!r}' for k, v in cfg.items())}),\n"
                     for w, cfg in sorted(tuned.items(), reverse=True))
-    source, n = re.subn(r"TUNED: dict\[int, dict\] = \{\n.*?\n\}\n", f"TUNED: dict[int, dict] = {{\n{lines}}}\n",
-                        source, count=1, flags=re.S)
-    assert n == 1, "TUNED table not found"
-    open(path, "w").write(source)
-    print(f"wrote TUNED into {path}", flush=True)
+    return f"TUNED: dict[int, dict] = {{\n{lines}}}\n"
 
 
 def main(argv=None):
-    opts = options(argv, jobs=16, write_tuned=0)
+    opts = options(argv, jobs=16)
     before = {w: dict(cfg) for w, cfg in triton_relpos.TUNED.items()}
     if opts.jobs > 1:
         warm_cache(opts.jobs)
@@ -159,12 +155,12 @@ def main(argv=None):
         key = min(complete, key=complete.get)
         tuned[w] = json.loads(key[1])
         print(f"width {w}: {tuned[w]} ({complete[key]:.3f} ms over its {n_shapes} shape(s))", flush=True)
-    print("TUNED =", json.dumps({str(w): c for w, c in tuned.items()}))
-    if opts.write_tuned:
-        write_tuned(tuned)
-    write_result(opts.out, "relpos-kernel-tuning",
+    source = tuned_source(tuned)
+    print(f"\nbest configs; to adopt them, copy into {COPY_INTO}:\n{source}", flush=True)
+    write_tuning(opts.out, "relpos-kernel",
                  {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-                  "torch": torch.__version__, "tuned_before": before, "tuned": tuned, "shapes": results})
+                  "torch": torch.__version__, "copy_into": COPY_INTO, "source": source,
+                  "tuned_before": before, "tuned": tuned, "shapes": results})
 
 
 if __name__ == "__main__":

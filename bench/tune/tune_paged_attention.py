@@ -1,13 +1,16 @@
 """Pick the paged decode-attention kernel's knobs on this GPU, against the unpaged attention.
 
-    python bench/tune_paged_attention.py [--out DIR]
+    python bench/tune/tune_paged_attention.py [--out bench/results]
 
 One layer at real dims (10 heads x 128, bf16), rows at positions spread over the upper half of a
 1,280-token context bucket (as running pages are), for 1, 16, 64 and 256 rows. Times every config
 of a small grid (tokens per loop step, tokens per split, warps, stages), checks each against the
 gathered reference, and times the attention the engine ran before paging (SDPA over a contiguous
 [S, H, 1280, d] cache with a mask) beside it. Prints the best config per batch and the one best
-summed over the batches (the module defaults). Writes paged-attention-tuning-<date>.json.
+summed over the batches (the module defaults), as the line of decoder/triton_paged_attention.py
+a maintainer would copy it into (BLOCK_T, SPLIT_TOKENS, NUM_WARPS, NUM_STAGES); this script never
+edits source. Writes bench/results/tune-paged-attention.json (`--out DIR` or `--out FILE.json`
+to change).
 """
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import options, rel_err, time_ms, write_result  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from bench.common import options, rel_err, time_ms, write_tuning  # noqa: E402
 from decoder.kv_cache import PAGE_TOKENS, gathered_decode_attention, pages_for  # noqa: E402
 from decoder.triton_paged_attention import paged_decode_attention  # noqa: E402
 
@@ -28,6 +31,8 @@ HEADS, HEAD_DIM, CONTEXT = 10, 128, 1280
 ROWS = (1, 16, 64, 256)
 KNOBS = ("block_t", "split_tokens", "num_warps", "num_stages")
 GRID = list(itertools.product((32, 64, 128), (128, 256, 512, 1024), (2, 4, 8), (1, 2, 3)))
+# Where a maintainer copies the pick: the module's defaults, one line, in KNOBS' order.
+COPY_INTO = "decoder/triton_paged_attention.py: BLOCK_T, SPLIT_TOKENS, NUM_WARPS, NUM_STAGES"
 
 
 def main(argv=None):
@@ -79,10 +84,13 @@ def main(argv=None):
     summary = {"best_overall": overall,
                **{f"paged_us_rows{r}": totals[best_key][r] * 1e3 for r in ROWS},
                **{f"unpaged_sdpa_us_rows{r}": results[str(r)]["unpaged_sdpa_ms"] * 1e3 for r in ROWS}}
+    source = f"BLOCK_T, SPLIT_TOKENS, NUM_WARPS, NUM_STAGES = {', '.join(map(str, best_key))}"
     print("defaults:", overall)
-    write_result(opts.out, "paged-attention-tuning",
+    print(f"to adopt them, copy into {COPY_INTO}:\n{source}", flush=True)
+    write_tuning(opts.out, "paged-attention",
                  {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
                   "torch": torch.__version__, "context": CONTEXT, "heads": HEADS, "head_dim": HEAD_DIM,
+                  "copy_into": COPY_INTO, "source": source,
                   "summary": summary, "rows": results})
 
 
