@@ -1,9 +1,11 @@
 """DeepSeek-3B-MoE language model and its continuous-batching generation engine (plain PyTorch)."""
+from .async_engine import AsyncEngine
 from .checkpoint import load_decoder, random_decoder
 from .config import DecoderArgs
-from .engine import AsyncEngine, Delta, GenerationEngine, GenerationRequest, SamplingParams
+from .engine import GenerationEngine
 from .model import Decoder
 from .ngram import NGramConfig
+from .sequence import Delta, GenerationRequest, SamplingParams
 from .tokenizer import DEFAULT_PROMPT, build_prompt, load_tokenizer
 
 __all__ = ["DEFAULT_PROMPT", "AsyncEngine", "Decoder", "DecoderArgs", "Delta", "GenerationEngine",

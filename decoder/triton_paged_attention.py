@@ -23,7 +23,7 @@ import triton.language as tl
 
 from common.triton_compile import launch_kernel
 
-from .kv_cache import PAGE_TOKENS
+from .pages import PAGE_TOKENS
 
 # Tuned on an H200 (bench/tune_paged_attention.py; results in bench/results/): tokens per loop
 # step, the most tokens one program walks, warps, pipeline stages.

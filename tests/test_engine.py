@@ -7,7 +7,8 @@ import torch
 from tests.conftest import run_in_triton_interpreter
 from decoder.checkpoint import load_decoder
 from deployments.model_source import write_random_model
-from decoder.engine import AsyncEngine, GenerationEngine, GenerationRequest, SamplingParams
+from decoder.async_engine import AsyncEngine
+from decoder.engine import GenerationEngine, GenerationRequest, SamplingParams
 from decoder.kv_cache import PAGE_TOKENS, KVCache, gathered_decode_attention, pages_for
 from decoder.ngram import NGramConfig
 from decoder.tokenizer import IMAGE_TOKEN_ID, ByteTokenizer, build_prompt
@@ -301,7 +302,7 @@ def test_decode_graphs_reproduce_eager_generations_token_for_token():
     for graphs in (True, False):
         engine = GenerationEngine(model, tokenizer, max_batch=4, max_len=1024, decode_graphs=graphs)
         if not graphs:  # the eager run's margin behind each token it picks
-            choose = engine._choose
+            choose = engine.runner.sample
 
             def recording(seqs, logits, choose=choose):
                 picks = choose(seqs, logits)  # applies the n-gram bans to `logits` in place
@@ -309,7 +310,7 @@ def test_decode_graphs_reproduce_eager_generations_token_for_token():
                 for seq, (first, second) in zip(seqs, top.tolist()):
                     gaps.setdefault(seq.request.request_id, []).append((first - second) / abs(first))
                 return picks
-            engine._choose = recording
+            engine.runner.sample = recording
         requests = [GenerationRequest([0] + tokenizer.encode(p), params=SamplingParams(max_tokens=24 + 8 * i))
                     for i, p in enumerate(prompts)]
         runs[graphs] = [d.token_ids for d in engine.generate(requests)]
@@ -340,7 +341,7 @@ def test_prefill_groups_respect_the_token_budget(model, tokenizer):
         engine.add(r)
     groups = []
     while engine.waiting:
-        group = engine._next_prefill_group()
+        group = engine.scheduler.next_prefill_group()
         groups.append(len(group))
         assert len(group) == 1 or max(len(s.request.prompt_ids) for s in group) * len(group) <= 1300
     assert groups == [2, 1, 2]
@@ -540,7 +541,7 @@ def test_first_forwards_write_only_the_scratch_page(model, tokenizer):
     for cache in (engine.cache.k, engine.cache.v):
         cache.copy_(torch.randn(cache.shape, generator=gen))
     before = engine.cache.k.clone(), engine.cache.v.clone()
-    engine._first_forwards(capture=True, warm_prefill=True)
+    engine.runner._first_forwards(capture=True, warm_prefill=True)
     for cache, kept in zip((engine.cache.k, engine.cache.v), before):
         assert torch.equal(cache[:, 1:], kept[:, 1:])
         assert not torch.equal(cache[:, :1], kept[:, :1])  # the forwards did reach the cache

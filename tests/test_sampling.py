@@ -145,7 +145,7 @@ def test_skip_special_tokens_drops_them_from_the_text(model, monkeypatch):
     for skip in (False, True):
         engine = GenerationEngine(model, tokenizer, 2)
         picks = iter(script)
-        monkeypatch.setattr(engine, "_pick", lambda seqs, logits: torch.tensor([next(picks)]))
+        monkeypatch.setattr(engine.runner, "pick", lambda seqs, logits: torch.tensor([next(picks)]))
         (result,) = engine.generate([request("hello", [], 5, skip_special_tokens=skip)])
         assert result.token_ids == script
         texts[skip] = result.text

@@ -1,0 +1,160 @@
+"""The model runner: the decoder's forwards over the KV cache, and the CUDA graphs that replay them.
+
+Given the rows the scheduler decided (scheduling.py), it builds the inputs and runs the model: a
+prefill of right-padded contexts with image embeddings merged at their placeholders, and one
+decode step of every running sequence (eager, or replayed from the decode graphs of
+decode_graphs.py). It also picks each row's next token from its logits (the n-gram rule's bans,
+then argmax or seeded sampling: sampling.py, replayed from the sampler graphs captured with the
+decode graphs). `prepare` captures the graphs and compiles the Triton kernels ahead of the first
+request.
+"""
+from __future__ import annotations
+
+import torch
+
+from common.triton_compile import compile_ahead
+
+from .kv_cache import KVCache
+from .model import CacheStep, Decoder
+from .sampling import SamplerGraphs, pick_tokens
+from .sequence import Sequence
+from .tokenizer import IMAGE_TOKEN_ID
+
+
+class ModelRunner:
+    def __init__(self, model: Decoder, cache: KVCache, max_batch: int, max_len: int,
+                 decode_graphs: bool | None = None):
+        self.model, self.cache, self.max_batch, self.max_len = model, cache, max_batch, max_len
+        # CUDA graphs of the decode step (decoder/decode_graphs.py), captured by `prepare()` (on
+        # the thread that steps the engine, before any prefill). Default: on for a bf16 model on
+        # CUDA, where they measured faster at every concurrency (bench/results/decoder-*.json).
+        graphable = model.device.type == "cuda" and model.dtype == torch.bfloat16
+        if decode_graphs and not graphable:
+            raise ValueError(f"decode graphs need a bf16 model on CUDA, got {model.dtype} on "
+                             f"{model.device}")
+        self.use_decode_graphs = graphable if decode_graphs is None else decode_graphs
+        self.decode_graphs = None
+        self.sampler_graphs = None  # pick_tokens per batch bucket, captured with the decode graphs
+        self._warmed_prefill = False
+        self.compile_ahead_s = 0.0  # the Triton kernels compiled on threads before capture
+
+    @torch.inference_mode()
+    def probe(self) -> None:
+        """A cheap run of the real model on one token, outside the cache (health checks); on a
+        GPU it waits for the device, so a broken CUDA context raises here."""
+        self.model(input_ids=torch.tensor([[self.model.args.bos_id]], device=self.model.device))
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
+    def prepare(self, idle: bool) -> None:
+        """Capture the decode graphs if they are on (the first `step` does it otherwise), and on
+        CUDA run one page-sized prefill: the prefill kernels' first launch compiles them (Triton:
+        ~2 s on a fresh node, which the first request would otherwise wait). Before either, the
+        Triton kernels both meet are compiled on threads at once (common/triton_compile.py).
+        `idle`: no sequence holds a row of the cache yet."""
+        capture = self.use_decode_graphs and self.decode_graphs is None
+        warm_prefill = self.model.device.type == "cuda" and not self._warmed_prefill
+        if capture or warm_prefill:
+            # Capture and warm-up write into the cache: before any request holds a slot.
+            assert idle, "decode graphs and the warm-up prefill come before the first request"
+            self.compile_ahead_s = compile_ahead(lambda: self._first_forwards(capture, warm_prefill))
+        if capture:
+            from .decode_graphs import DecodeGraphs
+            self.decode_graphs = DecodeGraphs(self.model, self.cache, self.max_batch, self.max_len)
+            self.sampler_graphs = SamplerGraphs(self.decode_graphs.batches,
+                                                self.model.args.vocab_size, self.model.device)
+        if warm_prefill:
+            self._first_forwards(capture=False, warm_prefill=True)
+            self._warmed_prefill = True
+
+    @torch.inference_mode()
+    def _first_forwards(self, capture: bool, warm_prefill: bool) -> None:
+        """The decode step of every graph shape (`capture`) and one page-sized prefill."""
+        if capture:
+            from .decode_graphs import decode_step, graph_shapes
+            for batch, context in graph_shapes(self.cache, self.max_batch, self.max_len):
+                decode_step(self.model, self.cache, batch, context)[0]()
+        if warm_prefill:
+            # 1,024 tokens: past the MoE kernels' prefill rows (triton_moe.PREFILL_ROWS) and a
+            # page of RoPE positions per program. Row 0 holds no pages: it writes the scratch page.
+            embeds = torch.zeros(1, min(1024, self.max_len), self.model.args.hidden,
+                                 device=self.model.device, dtype=self.model.dtype)
+            self.model(inputs_embeds=embeds, step=CacheStep(self.cache, slot=0), last_only=True)
+
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Contexts right-padded into one batch (causal rows never attend to their padding, and
+        the padded cache positions are masked until decoding overwrites them), image
+        embeddings merged at the prompts' placeholders, written into the pages of their rows
+        (consecutive: `Scheduler.place`); the last real position's logits of each row [B, vocab]."""
+        contexts = [seq.context() for seq in seqs]
+        lengths = [len(c) for c in contexts]
+        slot = seqs[0].slot
+        self.cache.sync()
+        ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
+        prompt = torch.zeros(ids.shape, dtype=torch.bool)  # generated tokens are never image slots
+        for row, context in enumerate(contexts):
+            ids[row, :lengths[row]] = torch.tensor(context)
+            prompt[row, :len(seqs[row].request.prompt_ids)] = True
+        ids = ids.to(self.model.device)
+        embeds = self.model.embed(ids)
+        images = [e for seq in seqs for e in seq.request.image_embeds]
+        if images:  # placeholders in row-major order, as the images are concatenated
+            images = torch.cat([e.to(embeds.device, embeds.dtype) for e in images])
+            embeds[(ids == IMAGE_TOKEN_ID) & prompt.to(ids.device)] = images
+        last = torch.tensor(lengths, device=self.model.device) - 1
+        return self.model(inputs_embeds=embeds, step=CacheStep(self.cache, slot=slot),
+                          logits_at=last)[:, -1]
+
+    def empty_cache(self) -> None:
+        """After a prefill ran out of GPU memory: the allocator's cached blocks go back to the
+        device before the smaller retries (`Scheduler.unadmit`)."""
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def decode(self, active: list[Sequence]) -> torch.Tensor:
+        # Active sequences are exactly the running ones, in slot order 0..S-1.
+        assert [s.slot for s in active] == list(range(len(active))), "slots must stay compact"
+        self.cache.sync()
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.run([s.pending for s in active], [s.length for s in active])
+        else:
+            device = self.model.device
+            tokens = torch.tensor([[s.pending] for s in active], device=device)
+            positions = torch.tensor([s.length for s in active], device=device)
+            step = CacheStep(self.cache, positions=positions, kv_len=max(s.length for s in active) + 1)
+            logits = self.model(input_ids=tokens, positions=positions[:, None], step=step)[:, -1]
+        for s in active:
+            s.length += 1
+            s.pending = None
+        return logits
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """The n-gram rule's bans written into `logits` (the caller's fresh tensor), then the
+        pick: argmax, or seeded sampling for rows with a temperature."""
+        # No float(): bf16 -> fp32 is exact, so argmax (ties included) is the same without the
+        # 33 MB copy at 64 sequences. All sequences' banned tokens in one indexed write.
+        rows, cols = [], []
+        for i, seq in enumerate(seqs):
+            if seq.ngram is not None:
+                banned = seq.ngram.banned()
+                rows += [i] * len(banned)
+                cols += banned
+        if rows:
+            device = logits.device
+            logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+        return self.pick(seqs, logits).tolist()
+
+    def pick(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Greedy argmax when no sequence samples (the default path, as before sampling
+        existed); otherwise `pick_tokens` per row, replayed from a graph when there are graphs."""
+        params = [s.request.params for s in seqs]
+        if all(p.temperature == 0 for p in params):
+            return logits.argmax(dim=-1)
+        device = logits.device
+        rows = (torch.tensor([p.temperature for p in params], device=device),
+                torch.tensor([p.top_p for p in params], device=device),
+                torch.tensor([s.seed for s in seqs], device=device, dtype=torch.int64),
+                torch.tensor([len(s.tokens) for s in seqs], device=device, dtype=torch.int64))
+        if self.sampler_graphs is not None and self.sampler_graphs.fits(len(seqs)):
+            return self.sampler_graphs.run(logits, *rows)
+        return pick_tokens(logits, *rows)

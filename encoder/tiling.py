@@ -1,0 +1,178 @@
+"""DeepSeek-OCR's tiling maths: the view modes, the grid of 640x640 crops an image is cut into,
+and how many tokens an image's views hold. No pixels here: this reproduces the reference's HF
+``dynamic_preprocess`` / ``find_closest_aspect_ratio`` and the view modes of the vLLM / SGLang
+integrations, so that the grid and the token count are exactly the model's."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+CROP_SIZE = 640
+
+# The vision encoder turns every 64x64 pixel block into one token
+# (16x16 patches, then a 4x4 token compressor).
+_PIXELS_PER_TOKEN_SIDE = 64
+
+MIN_CROPS = 2
+MAX_CROPS_LIMIT = 9  # DeepSeek's HF code allows up to 9; vLLM/SGLang use 6.
+DEFAULT_MAX_CROPS = 6
+
+
+class ImageError(ValueError):
+    """Raised for every bad input image (undecodable, too large, wrong type...)."""
+
+
+@dataclass(frozen=True)
+class ViewMode:
+    base_size: int  # side of the global view, in pixels
+    crop: bool  # add 640x640 local crops for large images ("gundam")
+    pad: bool  # keep aspect and pad with grey (True) or stretch (False)
+
+
+MODES: dict[str, ViewMode] = {
+    "tiny": ViewMode(base_size=512, crop=False, pad=False),
+    "small": ViewMode(base_size=640, crop=False, pad=False),
+    "base": ViewMode(base_size=1024, crop=False, pad=True),
+    "large": ViewMode(base_size=1280, crop=False, pad=True),
+    "gundam": ViewMode(base_size=1024, crop=True, pad=True),
+}
+
+
+class _Tiling:
+    """`tiled` of an image measured into a grid of crops."""
+
+    grid: tuple[int, int]
+
+    @property
+    def tiled(self) -> bool:
+        return self.grid != (1, 1)
+
+
+# ---------------------------------------------------------------------------
+# Grid choice (DeepSeek's dynamic_preprocess / find_closest_aspect_ratio)
+# ---------------------------------------------------------------------------
+
+
+def _reference_candidates(max_crops: int, min_crops: int) -> list[tuple[int, int]]:
+    """The reference expression, verbatim (order within a product = set order)."""
+    return sorted(
+        set(
+            (i, j)
+            for n in range(min_crops, max_crops + 1)
+            for i in range(1, n + 1)
+            for j in range(1, n + 1)
+            if min_crops <= i * j <= max_crops
+        ),
+        key=lambda x: x[0] * x[1],
+    )
+
+
+# The reference builds a Python set of (i, j) and sorts it by i * j only, so
+# the order of grids with the same product is whatever order CPython's set
+# iteration happens to produce.  That order matters: on an exact tie of aspect
+# difference, find_closest_aspect_ratio keeps the earlier candidate unless the
+# image is large enough.  We pin the order the model was used with (computed
+# with _reference_candidates on CPython 3.11; tuples of small ints hash
+# deterministically, hash randomisation does not affect them) so that a
+# different interpreter cannot silently change which grid is chosen.
+# Keyed by (max_crops, min_crops).
+_PINNED_CANDIDATES: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
+    (2, 2): ((1, 2), (2, 1)),
+    (3, 2): ((1, 2), (2, 1), (3, 1), (1, 3)),
+    (4, 2): ((1, 2), (2, 1), (3, 1), (1, 3), (4, 1), (1, 4), (2, 2)),
+    (5, 2): ((1, 2), (2, 1), (3, 1), (1, 3), (4, 1), (1, 4), (2, 2), (1, 5), (5, 1)),
+    (6, 2): (
+        (1, 2), (2, 1), (3, 1), (1, 3), (4, 1), (1, 4), (2, 2), (1, 5), (5, 1),
+        (6, 1), (2, 3), (1, 6), (3, 2),
+    ),
+    (7, 2): (
+        (1, 2), (2, 1), (3, 1), (1, 3), (4, 1), (1, 4), (2, 2), (1, 5), (5, 1),
+        (6, 1), (2, 3), (1, 6), (3, 2), (7, 1), (1, 7),
+    ),
+    (8, 2): (
+        (1, 2), (2, 1), (3, 1), (1, 3), (2, 2), (4, 1), (1, 4), (5, 1), (1, 5),
+        (1, 6), (6, 1), (3, 2), (2, 3), (7, 1), (1, 7), (4, 2), (2, 4), (1, 8),
+        (8, 1),
+    ),
+    (9, 2): (
+        (1, 2), (2, 1), (3, 1), (1, 3), (2, 2), (4, 1), (1, 4), (5, 1), (1, 5),
+        (1, 6), (6, 1), (3, 2), (2, 3), (7, 1), (1, 7), (4, 2), (2, 4), (1, 8),
+        (8, 1), (1, 9), (3, 3), (9, 1),
+    ),
+}  # fmt: skip
+
+
+def candidate_grids(max_crops: int, min_crops: int = MIN_CROPS) -> list[tuple[int, int]]:
+    """All (width tiles, height tiles) with min_crops <= i*j <= max_crops, in reference order.
+
+    Pinned for min_crops=2 and max_crops 2..9; other combinations fall back to
+    the reference expression on the running interpreter.
+    """
+    pinned = _PINNED_CANDIDATES.get((max_crops, min_crops))
+    if pinned is not None:
+        return list(pinned)
+    return _reference_candidates(max_crops, min_crops)
+
+
+def choose_grid(
+    width: int, height: int, max_crops: int = DEFAULT_MAX_CROPS, min_crops: int = MIN_CROPS
+) -> tuple[int, int]:
+    """Pick the tiling grid (width tiles, height tiles) whose aspect is closest to the image's.
+
+    On an exact tie of aspect difference a later candidate (more tiles) wins
+    only if the image has more than half the pixels of that grid at 640x640
+    per tile -- the reference rule, kept as is.
+    """
+    if width <= 0 or height <= 0:
+        raise ValueError(f"image size must be positive, got {width}x{height}")
+    aspect = width / height
+    area = width * height
+    best_diff = float("inf")
+    best = (1, 1)
+    for i, j in candidate_grids(max_crops, min_crops):
+        diff = abs(aspect - i / j)
+        if diff < best_diff:
+            best_diff, best = diff, (i, j)
+        elif diff == best_diff and area > 0.5 * CROP_SIZE * CROP_SIZE * i * j:
+            best = (i, j)
+    return best
+
+
+def count_tokens(grid: tuple[int, int], base_size: int = 1024, crop_size: int = CROP_SIZE) -> int:
+    """Exact number of image tokens the model sequence holds for one image.
+
+    Global view: n rows of n tokens, each row followed by a newline token,
+    plus one view-separator token (n = ceil(base_size / 64)).  When tiled, the
+    crops form one (m*h_t) x (m*w_t) token grid, again with a newline per row
+    (m = ceil(crop_size / 64)).
+    """
+    w_tiles, h_tiles = grid
+    n = math.ceil(base_size / _PIXELS_PER_TOKEN_SIDE)
+    tokens = n * (n + 1) + 1
+    if (w_tiles, h_tiles) != (1, 1):
+        m = math.ceil(crop_size / _PIXELS_PER_TOKEN_SIDE)
+        tokens += (m * h_tiles) * (m * w_tiles + 1)
+    return tokens
+
+
+def check_view_options(mode, max_crops) -> ViewMode:
+    """The view mode named `mode`; ImageError naming the value when `mode` or `max_crops` is bad."""
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ImageError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
+    is_int = isinstance(max_crops, int) and not isinstance(max_crops, bool)
+    if not is_int or not MIN_CROPS <= max_crops <= MAX_CROPS_LIMIT:
+        raise ImageError(
+            f"max_crops must be an int in {MIN_CROPS}..{MAX_CROPS_LIMIT}, got {max_crops!r}"
+        )
+    return MODES[mode]
+
+
+def _grid_and_tokens(width: int, height: int, view_mode: ViewMode,
+                     max_crops: int) -> tuple[tuple[int, int], int]:
+    """The crop grid of an image this size (untiled where the mode does not crop or the image
+    fits one crop) and its token count."""
+    grid = (1, 1)
+    if view_mode.crop and (width > CROP_SIZE or height > CROP_SIZE):
+        grid = choose_grid(width, height, max_crops)
+    return grid, count_tokens(grid, base_size=view_mode.base_size, crop_size=CROP_SIZE)
