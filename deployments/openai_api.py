@@ -13,15 +13,20 @@ that sends vLLM's `vllm_xargs` gets vLLM's meaning of them instead: `ngram_size`
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from decoder.tokenizer import IMAGE_TOKEN, count_image_tags
 
-from .protocol import BadRequest, OcrOptions, validate
+from . import pages
+from .config import AppConfig
+from .media import decode_data_url, read_image_url
+from .protocol import BadRequest, Document, Images, OcrOptions, validate
 
 VLLM_WINDOW_DEFAULT = 100  # vLLM's NoRepeatNGramLogitsProcessor default window
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -210,3 +215,74 @@ def chunk(request_id: str, model: dict, created: int, delta: dict | None,
 
 def model_card(model_id: str, created: int) -> dict:
     return {"id": model_id, "object": "model", "created": created, "owned_by": "deepseek-ocr-serve"}
+
+
+# -- a chat request through the OCR pipeline ----------------------------------------------------
+async def read_chat(body, config: AppConfig) -> tuple[Images | Document, OcrOptions, ChatRequest]:
+    """A chat request -> (its images, each named by its place in the messages, or its PDF; the
+    OCR options it means; the request). Image URLs are read within the operator's rules."""
+    chat = ChatRequest.parse(body)
+    urls, document, prompt = chat.sources_and_prompt()
+    options = chat.ocr_options(prompt)
+    if document is not None:
+        return Document(decode_data_url(document, "document", "messages")), options, chat
+    if not urls:
+        raise BadRequest("the user message has no image: add an image_url part (a data: URL) "
+                         "or a file part (a PDF)", "messages")
+    if len(urls) > config.max_images_per_request:
+        raise BadRequest(f"at most {config.max_images_per_request} images per request: the "
+                         f"user message has {len(urls)} image_url parts", "messages")
+    tags = count_image_tags(options.prompt) if options.prompt is not None else len(urls)
+    if tags != len(urls):
+        raise BadRequest(f"the messages' text has {tags} <image> tags for {len(urls)} image_url "
+                         f"parts: leave the tags out (one is placed per image) or place one "
+                         f"per image", "messages")
+    limits = dict(max_bytes=config.max_request_mb << 20, fetch=config.fetch_image_urls,
+                  timeout_s=config.fetch_timeout_s, local_root=config.allowed_local_media_path,
+                  allowed_domains=tuple(config.allowed_media_domains or ()) or None,
+                  allow_private=config.fetch_private_addresses)
+
+    async def read(url: str, field: str) -> bytes:
+        try:
+            return await read_image_url(url, **limits)
+        except BadRequest as e:  # named by where it is in the chat request
+            e.param = field
+            raise
+    fields = chat.image_fields()
+    images = await asyncio.gather(*(read(url, field) for url, field in zip(urls, fields)))
+    return Images(images, fields), options, chat
+
+
+async def answer(pipeline, source: Images | Document, options: OcrOptions) -> dict:
+    """A `chat.completion` of the OCR of `source` (a document's pages joined)."""
+    if isinstance(source, Document):
+        document = await pipeline.document(source, options)
+        ocr = {**document, "finish_reason": pages.finish_reason(document["pages"])}
+    else:
+        ocr = await pipeline.ocr(source, options)
+    return completion(completion_id(), ocr["model"], ocr)
+
+
+async def deltas(pipeline, source: Images | Document, options: OcrOptions) -> AsyncIterator[dict]:
+    """The decoder's deltas of an image request; a document's pages as deltas, one a page."""
+    if isinstance(source, Document):
+        return pages.as_deltas(await pipeline.document_pages(source, options))
+    return await pipeline.ocr_stream(source, options)
+
+
+async def chunks(deltas: AsyncIterator[dict], model: dict, include_usage: bool) -> AsyncIterator[dict]:
+    """The OCR deltas as `chat.completion.chunk`s: the assistant role first, content deltas,
+    the finish reason, then (when asked) a usage chunk."""
+    request_id, created = completion_id(), int(time.time())
+
+    def one(delta, finish_reason=None, usage_=None):
+        return chunk(request_id, model, created, delta, finish_reason, usage_, include_usage)
+    yield one({"role": "assistant", "content": ""})
+    async for delta in deltas:
+        if delta["text"]:
+            yield one({"content": delta["text"]})
+        if delta["finished"]:
+            reason = delta["finish_reason"]
+            yield one({}, FINISH_REASONS.get(reason, reason))
+            if include_usage:
+                yield one(None, usage_=usage(delta))

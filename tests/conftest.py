@@ -12,6 +12,7 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 from encoder import EncoderArgs, load_encoder, write_random_checkpoint
+from tests.helpers import free_port
 
 
 def pytest_configure(config):
@@ -72,9 +73,9 @@ def run_in_triton_interpreter(code: str, timeout: int = 600) -> str:
     return run.stdout
 
 
-SERVE_PORT = 8123
+SERVE_PORT = free_port()
 SERVE_URL = f"http://127.0.0.1:{SERVE_PORT}"
-METRICS_PORT = 8125  # Ray's Prometheus export of this test cluster
+METRICS_PORT = free_port()  # Ray's Prometheus export of this test cluster
 SERVE_APP = "ocr-test"
 
 

@@ -3,8 +3,16 @@ from __future__ import annotations
 
 import io
 import random
+import socket
 
 from PIL import Image
+
+def free_port() -> int:
+    """A TCP port nothing listens on now: two copies of the suite can run on one machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 # What Ray's wrapper of a replica's exception carries, and what a client must never see.
 LEAKS = ("ray::", "pid=", "ip=", "actor_id", "\x1b[", "Traceback", "ServeReplica")

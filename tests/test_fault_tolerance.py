@@ -10,7 +10,7 @@ from PIL import Image
 pytest.importorskip("ray")
 from ray.exceptions import RayActorError  # noqa: E402
 
-from deployments.router import call_with_retry  # noqa: E402
+from deployments.placement import call_with_retry  # noqa: E402
 
 
 class FlakyMethod:
@@ -120,7 +120,7 @@ def test_router_with_the_encoder_inside_fails_its_health_check_with_the_encoder(
     async def encode_then_fault():  # one event loop, as in the replica
         (seq,) = await router.encode(page.getvalue())  # through the encoder in this process
         assert seq.shape[0] == 903  # 2x3 crops
-        monkeypatch.setattr(router.encoder.engine, "run", cuda_fault)
+        monkeypatch.setattr(router.pipeline.encoder.replica.engine, "run", cuda_fault)
         with pytest.raises(RuntimeError, match="illegal memory access"):
             await router.encode(page.getvalue())
     asyncio.run(encode_then_fault())

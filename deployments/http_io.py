@@ -1,0 +1,168 @@
+"""The HTTP edge of the Router: reading request bodies (JSON or multipart, size- and
+depth-checked), the one error envelope of every route, and server-sent event streams. No model
+work here; deployments/router.py wires these to its routes.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import AsyncIterator
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .media import decode_data_url
+from .protocol import (BadRequest, Document, Images, PayloadTooLarge, UnsupportedMediaType,
+                       replica_error)
+
+log = logging.getLogger("ray.serve")
+
+
+def error_body(kind: str, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The one error shape of every route (OpenAI's and vLLM's)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def bad_request(e: Exception, source=None) -> JSONResponse:
+    """A BadRequest (or ImageError, DocumentError) in the envelope, with its status and field:
+    an error about one image (`image_index`) names the field that image came in (`source`'s
+    `fields`). Raised in a replica, it is the replica's own exception, never Ray's wrapper."""
+    e = replica_error(e)
+    param = getattr(e, "param", None)
+    index, fields = getattr(e, "image_index", None), getattr(source, "fields", None)
+    if index is not None and fields:
+        param = fields[index]
+    return JSONResponse(status_code=getattr(e, "status", 400), content=error_body(
+        "invalid_request", str(e), param, getattr(e, "code", None)))
+
+
+def overloaded(reason: str, message: str) -> JSONResponse:
+    response = JSONResponse(status_code=503, headers={"Retry-After": "1"},
+                            content=error_body("overloaded", message))
+    response.reason = reason  # the metrics' rejection reason
+    return response
+
+
+def check_length(request: Request, max_bytes: int) -> None:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise PayloadTooLarge(f"request body of {int(length)} bytes is over the limit of "
+                              f"{max_bytes} (max_request_mb)")
+
+
+SOURCE_FIELDS = ("image", "images", "document")  # the same names in JSON and in forms
+
+
+async def read_ocr_body(request: Request, max_bytes: int) -> tuple[Images | Document, dict, bool]:
+    """(images or the PDF, options as sent, whether the options are typed JSON values). JSON
+    and multipart take the same fields: `image` (one), `images` (several) or `document` (a PDF),
+    as files or base64 text in a form, base64 or data: URLs in JSON."""
+    check_length(request, max_bytes)
+    content_type = request.headers.get("content-type", "")
+    if content_type.startswith("multipart/form-data"):
+        form = await request.form()
+        sent = {key: [await v.read() if hasattr(v, "read") else v for v in form.getlist(key)]
+                for key in SOURCE_FIELDS if key in form}
+        for key, value in form.multi_items():
+            if hasattr(value, "read") and key not in SOURCE_FIELDS:
+                raise BadRequest(f"unknown file field {key!r}: send images as 'image' or "
+                                 f"'images', a PDF as 'document'", key)
+        options = {k: v for k, v in form.items() if k not in SOURCE_FIELDS}
+        if "ngram" in options:  # an object inside a form: JSON text
+            options["ngram"] = _json_field(options["ngram"], "ngram")
+        return _source(sent), options, False
+    body = await read_json(request, max_bytes, "application/json or multipart/form-data")
+    if not isinstance(body, dict):
+        raise BadRequest("JSON body must be an object")
+    sent = {}
+    for key in SOURCE_FIELDS:
+        value = body.pop(key, None)
+        if value is not None:  # `image` may be a list too, `images` one string
+            sent[key] = value if isinstance(value, list) and key != "document" else [value]
+    return _source(sent), body, True
+
+
+def _source(sent: dict[str, list]) -> Images | Document:
+    """A request's images, each named by its field (`image` when it is the one value sent in
+    it, else `images[2]`, `image[1]`), or its one PDF, from the values sent in each source field
+    (bytes, or base64 text / data: URLs)."""
+    if "image" in sent and "images" in sent:
+        raise BadRequest("send 'image' or 'images', not both", "images")
+    if "document" in sent:
+        if len(sent) > 1:
+            raise BadRequest("send images or a document, not both", "document")
+        if len(sent["document"]) > 1:
+            raise BadRequest("send one document per request", "document")
+        return Document(_bytes_of(sent["document"][0], "document", "document"))
+    key, values = next(iter(sent.items()), ("image", []))
+    fields = [key if key == "image" and len(values) == 1 else f"{key}[{i}]" for i in range(len(values))]
+    return Images([_bytes_of(v, field, "image") for v, field in zip(values, fields)], fields)
+
+
+def _bytes_of(value, field: str, what: str) -> bytes:
+    return value if isinstance(value, bytes) else decode_data_url(value, what, field)
+
+
+# Nesting a request needs: a chat message's content part's image_url (5 levels); far deeper is
+# an attack on the parser (each level is a recursion in json and in validation).
+MAX_JSON_DEPTH = 32
+# JSON strings (escapes included), written as an unrolled loop: linear, no backtracking.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_OPENERS, _CLOSERS = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
+
+
+def json_depth(raw: bytes) -> int:
+    """How deeply `raw`'s arrays and objects nest, found without parsing (no recursion): the
+    brackets outside strings, counted up and down."""
+    codes = np.frombuffer(_JSON_STRING.sub(b'""', raw), np.uint8)
+    steps = np.isin(codes, _OPENERS).astype(np.int64) - np.isin(codes, _CLOSERS)
+    return int(np.cumsum(steps).max(initial=0))
+
+
+async def read_json(request: Request, max_bytes: int, accepted: str = "application/json"):
+    """The JSON body (size-checked first)."""
+    check_length(request, max_bytes)
+    content_type = request.headers.get("content-type", "")
+    if not content_type.startswith("application/json"):
+        raise UnsupportedMediaType(f"content-type must be {accepted}, got {content_type or 'none'!r}")
+    raw = await request.body()
+    if len(raw) > max_bytes:  # a body sent without a content-length
+        raise PayloadTooLarge(f"request body is over the limit of {max_bytes} bytes (max_request_mb)")
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise BadRequest(f"JSON body nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise BadRequest("body is not valid JSON") from None
+
+
+def _json_field(value: str, name: str):
+    try:
+        return json.loads(value)
+    except ValueError:
+        raise BadRequest(f"{name} must be a JSON object") from None
+
+
+def event_stream(events: AsyncIterator[dict], deltas, limit: float) -> StreamingResponse:
+    """Server-sent events, one JSON object each, then [DONE]; a failure or the time limit
+    (`limit` seconds) after the stream began is reported in-band (an error event), never a
+    silent cut. `deltas` (the generator under `events`) is closed however the stream ends, so a
+    client that went away frees its decoder slot."""
+    async def body():
+        try:
+            async with asyncio.timeout(limit):
+                async for event in events:
+                    yield f"data: {json.dumps(event)}\n\n"
+        except TimeoutError:
+            error = error_body("timeout", f"the request took longer than {limit:g} s")
+            yield f"data: {json.dumps(error)}\n\n"
+        except Exception:  # noqa: BLE001
+            log.exception("stream failed")
+            yield f"data: {json.dumps(error_body('internal_error', 'generation failed'))}\n\n"
+        finally:
+            await deltas.aclose()
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(body(), media_type="text/event-stream")

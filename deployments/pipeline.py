@@ -1,0 +1,258 @@
+"""One OCR request's stages, in plain Python: validate -> preprocess -> encode (and assemble) ->
+decode -> shape. The Router (deployments/router.py) is its HTTP and handle front; where the
+encoder runs is `encoder`, a strategy of deployments/placement.py chosen when the app is built;
+the decoder is `decoder`, a client with `generate` and `stream`. Tested without Serve.
+
+  1. validate: `OcrOptions` (deployments/protocol.py) and the image count;
+  2. preprocess, on a worker thread per image: its sequence from the cache, or what the
+     strategy makes of it (its header, its pixels, or views); the prompt's length is known now
+     and checked against the decoder's context before any GPU work;
+  3. encode: the strategy's call(s), batched with other requests' in the encoders; the image's
+     sequence assembled (local grid + newlines, global, separator);
+  4. decode: the decoder generates from the prompt ids and the image sequences;
+  5. shape: text, finish reason, usage, per-stage timings; markdown or blocks when asked.
+A PDF's pages each go through 2-5 as their own request, a window of pages at a time.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import torch
+
+from decoder import build_prompt
+from decoder.grounding import parse_blocks, to_markdown
+from documents import DocumentError, PdfDocument, map_pages, parse_page_range
+from encoder import ImageError
+
+from . import pages
+from . import protocol
+from .config import AppConfig
+from .encoded_cache import EncodedCache, content_key
+from .media import crop_image_blocks
+from .metrics import medians, router_metrics
+from .protocol import BadRequest, Document, OcrOptions, replica_error
+
+log = logging.getLogger("ray.serve")
+
+
+@dataclass
+class Prepared:
+    """An image after preprocessing: its cache key, and its sequence from the cache (`cached`:
+    (sequence, original size)) or what the encoder strategy made of it (`item`: it knows the
+    image's token count, grid and original size)."""
+    key: str | None
+    item: object = None
+    cached: tuple[torch.Tensor, tuple[int, int]] | None = None
+    prepare_ms: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cached[0].shape[0] if self.cached is not None else self.item.num_tokens
+
+    @property
+    def original_size(self) -> tuple[int, int]:
+        return self.cached[1] if self.cached is not None else self.item.original_size
+
+
+def of_image(error: Exception, index: int) -> Exception:
+    """`error` (an ImageError, maybe raised in a replica) as this process's own exception,
+    marked with the index of the request's image it is about (its field names it)."""
+    error = replica_error(error)
+    error.image_index = index
+    return error
+
+
+class OcrPipeline:
+    def __init__(self, encoder, decoder, tokenizer, max_len: int | None, config: AppConfig,
+                 model_fields: dict):
+        """`decoder` None: an encode-only app. `model_fields`: what every answer says of the
+        model (its id, and the tiny random model's warning)."""
+        self.encoder, self.decoder, self.tokenizer, self.max_len = encoder, decoder, tokenizer, max_len
+        self.config, self.model_fields = config, model_fields
+        self.cache = EncodedCache(config.encoder_cache_mb << 20) if config.encoder_cache_mb else None
+        self.recent: deque[dict] = deque(maxlen=1000)  # per-request stage timings
+
+    # -- requests -----------------------------------------------------------------------------
+    async def encode(self, images: list, options: OcrOptions) -> tuple[list[torch.Tensor], dict]:
+        """Each image's sequence [num_tokens, D], and the stages' timings."""
+        options.prompt_for(len(images), self.config.max_images_per_request)
+        return await self._encode(await self._preprocess(images, options))
+
+    async def ocr(self, images: list, options: OcrOptions, page: int = 0, arrived: float | None = None) -> dict:
+        """One image request's answer; `timings` holds each stage and `total_ms`, the whole
+        request from its arrival (`arrived`, else the HTTP request's, else now) to its answer."""
+        arrived = arrived or protocol.REQUEST_ARRIVED.get() or time.perf_counter()
+        ids, seqs, timings, sizes = await self._encode_prompt(images, options)
+        start = time.perf_counter()
+        result = await self.decoder.generate(ids, seqs, options.sampling())
+        timings["decode_ms"] = (time.perf_counter() - start) * 1e3
+        timings.update(result.get("timings", {}))  # the decoder's own stages
+        self._record_generation(result, seqs, timings["decode_ms"])
+        response = {"text": result["text"], "finish_reason": result["finish_reason"],
+                    **self.model_fields,
+                    "usage": {"prompt_tokens": result["prompt_tokens"],
+                              "image_tokens": sum(s.shape[0] for s in seqs),
+                              "completion_tokens": result["completion_tokens"]},
+                    "timings": timings}
+        if options.output_format == "markdown":  # DeepSeek's clean-up of the grounding tags
+            response["text"] = to_markdown(result["text"], page)
+        elif options.output_format == "blocks":  # boxes in pixels of the (one) original image
+            response["blocks"] = parse_blocks(result["text"], *sizes[0])
+            response["width"], response["height"] = sizes[0]
+            response["markdown"] = to_markdown(result["text"], page)
+            if options.return_crops:
+                await asyncio.to_thread(crop_image_blocks, images[0], response["blocks"])
+        timings["total_ms"] = (time.perf_counter() - arrived) * 1e3
+        return response
+
+    async def ocr_stream(self, images: list, options: OcrOptions) -> AsyncIterator[dict]:
+        """Validate and encode now (errors surface before anything is streamed), then return
+        the decoder's deltas (the generation starts when its consumer first asks)."""
+        if options.output_format != "text":
+            raise BadRequest("output_format applies to whole answers: a stream of an image sends "
+                             "raw text (a document's stream sends whole pages)", "output_format")
+        ids, seqs, _, _ = await self._encode_prompt(images, options)
+
+        async def deltas():
+            start = time.perf_counter()
+            async with aclosing(self.decoder.stream(ids, seqs, options.sampling())) as stream:
+                async for delta in stream:
+                    if delta["finished"]:
+                        self._record_generation(delta, seqs, (time.perf_counter() - start) * 1e3)
+                    yield {**delta, **self.model_fields}
+        return deltas()
+
+    async def document(self, document: Document, options: OcrOptions) -> dict:
+        """Every page through the image path; one response for the document."""
+        async with aclosing(await self.document_pages(document, options)) as stream:
+            entries = [entry async for entry in stream]
+        return pages.document_response(entries, self.model_fields)
+
+    async def document_pages(self, document: Document, options: OcrOptions) -> AsyncIterator[dict]:
+        """Open the PDF and check the page range now (errors answer 4xx before any page is
+        sent), then return its pages' entries in page order. Pages are rendered lazily, at most
+        `pages_in_flight` at a time, and each goes through the encoders and the decoder as its
+        own request (batched with every other request's pages); a page that fails is an entry
+        with its error, never the document's failure."""
+        self._require_decoder()
+        options.prompt_for(1, 1)  # a prompt every page can take: one <image> tag
+        pdf = await asyncio.to_thread(PdfDocument, document.data, self.config.max_pages)
+        try:
+            indices = parse_page_range(options.page_range, pdf.page_count)
+        except DocumentError:
+            pdf.close()
+            raise
+        page_options = options.model_copy(update={"stream": False, "page_range": None})
+
+        async def work(index: int, image):
+            return (await self.ocr([image], page_options, page=index, arrived=time.perf_counter()),
+                    image.size)
+
+        async def entries():
+            try:
+                async with aclosing(map_pages(pdf, indices, options.dpi, work,
+                                              self.config.pages_in_flight)) as results:
+                    async for index, outcome in results:
+                        if isinstance(outcome, BaseException):
+                            yield pages.failed_page(index, outcome, log)
+                        else:
+                            yield pages.page_entry(index, *outcome)
+            finally:
+                await asyncio.to_thread(pdf.close)
+        return entries()
+
+    def timings(self) -> dict:
+        """Median ms per stage over the last 1,000 requests: preprocess (decoding, or reading
+        the header, or making the views here until the crops are ready), encode (until the
+        sequence is back), assemble, and the whole encoding of the request; and over the
+        `encode` handle calls among them, the handler's whole time from its entry to its
+        return (what Serve's call adds is outside it)."""
+        keys = ("preprocess_ms", "encode_ms", "assemble_ms", "encoding_ms")
+        handled = [t for t in self.recent if "handler_ms" in t]
+        return {"requests": len(self.recent), **medians(self.recent, keys),
+                **medians(handled, ("handler_ms",))}
+
+    # -- stages -------------------------------------------------------------------------------
+    def _require_decoder(self) -> None:
+        if self.decoder is None:
+            raise BadRequest("this deployment is encode-only (encode_only=true): use /v1/encode")
+
+    async def _encode_prompt(self, images: list, options: OcrOptions):
+        """Steps 1-3: validate, preprocess, check the context, encode -> (prompt ids, sequences,
+        timings, the images' original sizes)."""
+        self._require_decoder()
+        if options.page_range is not None:
+            raise BadRequest("page_range applies to documents (send a PDF as 'document')", "page_range")
+        if options.output_format == "blocks" and len(images) != 1:
+            raise BadRequest("output_format 'blocks' places boxes on one image: send one image",
+                             "output_format")
+        prompt = options.prompt_for(len(images), self.config.max_images_per_request)
+        prepared = await self._preprocess(images, options)
+        ids = build_prompt(self.tokenizer, prompt, [p.num_tokens for p in prepared])
+        if len(ids) >= self.max_len:
+            image_tokens = sum(p.num_tokens for p in prepared)
+            raise BadRequest(f"the prompt is {len(ids)} tokens ({image_tokens} of them image "
+                             f"tokens) but the decoder's context holds {self.max_len}: send fewer "
+                             f"images, or a smaller mode or max_crops")
+        seqs, timings = await self._encode(prepared)
+        return ids, seqs, timings, [p.original_size for p in prepared]
+
+    async def _preprocess(self, images: list, options: OcrOptions) -> list[Prepared]:
+        """Each image's sequence from the cache, or what the encoder strategy makes of it, on
+        a worker thread (the event loop stays free)."""
+        def prepare(image) -> Prepared:
+            key = content_key(image, options.mode, options.max_crops) if self.cache else None
+            cached = self.cache.get(key) if self.cache else None
+            if cached is not None:
+                return Prepared(key, cached=cached)
+            began = time.perf_counter()
+            item = self.encoder.prepare(image, options.mode, options.max_crops)
+            return Prepared(key, item, prepare_ms=(time.perf_counter() - began) * 1e3)
+
+        async def one(index: int, image) -> Prepared:
+            try:
+                return await asyncio.to_thread(prepare, image)
+            except ImageError as e:
+                raise of_image(e, index) from None
+        return await asyncio.gather(*(one(i, image) for i, image in enumerate(images)))
+
+    async def _encode(self, prepared: list[Prepared]) -> tuple[list[torch.Tensor], dict]:
+        start = time.perf_counter()
+
+        async def one(index: int, image: Prepared):
+            if image.cached is not None:
+                return image.cached[0], {"preprocess_ms": 0.0, "encode_ms": 0.0, "assemble_ms": 0.0}
+            try:
+                seq, stages = await self.encoder.encode(image.item)
+            except ImageError as e:  # decoded in an encoder replica: its exception, this image's
+                raise of_image(e, index) from None
+            assert seq.shape[0] == image.num_tokens, (seq.shape, image.num_tokens)
+            if self.cache is not None:
+                self.cache.put(image.key, (seq, image.original_size), seq.numel() * seq.element_size())
+            return seq, {**stages, "preprocess_ms": image.prepare_ms + stages["preprocess_ms"]}
+        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prepared)))
+        seqs = [seq for seq, _ in results]
+        stages = [t for _, t in results]
+        timings = {"preprocess_ms": max(t["preprocess_ms"] for t in stages),
+                   "encode_ms": max(t["encode_ms"] for t in stages),
+                   "assemble_ms": sum(t["assemble_ms"] for t in stages),
+                   "encoding_ms": (time.perf_counter() - start) * 1e3}
+        self.recent.append(timings)
+        for stage in ("preprocess", "encode", "assemble"):
+            router_metrics()["stage"].observe(timings[f"{stage}_ms"], tags={"stage": stage})
+        return seqs, timings
+
+    def _record_generation(self, result: dict, seqs, decode_ms: float) -> None:
+        metrics = router_metrics()
+        metrics["stage"].observe(decode_ms, tags={"stage": "decode"})
+        metrics["finish"].inc(tags={"reason": result["finish_reason"] or "unknown"})
+        for kind, count in (("image", sum(s.shape[0] for s in seqs)),
+                            ("prompt", result["prompt_tokens"]),
+                            ("completion", result["completion_tokens"])):
+            metrics["tokens"].inc(count, tags={"kind": kind})

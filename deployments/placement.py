@@ -1,0 +1,226 @@
+"""Where the vision encoder runs, as strategies behind one interface: `prepare(image)` on a worker
+thread of the router (what it reads or makes of the image: its header, its decoded pixels, or
+its views), then `await encode(prepared)` -> the image's whole sequence [num_tokens, D] and its
+stage timings. The Router picks one at build time (`encoder_strategy`); nothing else in the
+router or the pipeline asks where the encoder is.
+
+- `PathEncoders`: the GlobalEncoder and LocalEncoder deployments, each making its path's views
+  from the image's bytes (decode_on_encoder: the router read only the header) or its pixels;
+  the sequence is assembled here. `RouterViews` is the same pair sent views made here with PIL
+  (views_on_encoder false, the reference path).
+- `WholeImages`: one encoder of both paths that returns the assembled sequence: the Encoder
+  deployment (one_encoder) or that Encoder's class in the router's process (encoder_in_router).
+
+The decoder's client is here too (`DecoderClient`): the Ray calls the pipeline makes, retried
+on replica loss and cancelled with their caller.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import ray
+import torch
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import ReplicaUnavailableError
+
+from encoder import assemble
+from encoder.preprocess import ImageHeader, decode, read_header, start_preprocess
+
+from .config import AppConfig
+from .encoders import EncoderReplica
+from .protocol import from_wire, to_wire
+
+# A replica that dies mid-call (node loss, a CUDA fault that fails its health check) is
+# replaced by Serve; encoding and a generation that has streamed nothing are idempotent, so the
+# call is retried instead of failing the user.
+RETRYABLE = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
+
+
+async def call_with_retry(method, *args, attempts: int = 3, backoff_s: float = 0.5):
+    """`await method.remote(*args)`, retried on replica loss with a growing pause. When the
+    caller is cancelled (its time limit passed, its client went away, a sibling call failed),
+    so is the call: cancelling the task that awaits a DeploymentResponse leaves the replica
+    working on it, holding a decoder slot or an encoder batch place for nobody."""
+    for attempt in range(attempts):
+        response = method.remote(*args)
+        try:
+            return await response
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+        except RETRYABLE:
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(backoff_s * (attempt + 1))
+
+
+def remote_ready(handle) -> Callable[[], Awaitable[dict]]:
+    """A tier's readiness through its handle: its `ready` answer within a second, else not
+    ready with the reason (not up yet, or failing: both mean not ready)."""
+    async def ready() -> dict:
+        try:
+            return await asyncio.wait_for(handle.ready.remote(), timeout=1.0)
+        except Exception as e:  # noqa: BLE001
+            return {"ready": False, "reason": type(e).__name__}
+    return ready
+
+
+def _bytes_or_pixels(image, mode: str, max_crops: int, decode_on_encoder: bool):
+    """What an encoder that makes the views is sent: the image's bytes with their header
+    (decode_on_encoder, PNG and JPEG: the encoder decodes), else its decoded pixels."""
+    return (read_header(image, mode, max_crops) if decode_on_encoder else None) or decode(image, mode, max_crops)
+
+
+def _payload(item):
+    """An ImageHeader as it is (its bytes travel), decoded pixels on the wire."""
+    return item if isinstance(item, ImageHeader) else to_wire(item.pixels)
+
+
+class PathEncoders:
+    """GlobalEncoder and LocalEncoder: the image to both at once, each making its path's views;
+    the sequence assembled here (crops' grid with newlines, global view, separator)."""
+
+    def __init__(self, global_encoder, local_encoder, newline: torch.Tensor, separator: torch.Tensor,
+                 config: AppConfig):
+        self.global_encoder, self.local_encoder = global_encoder, local_encoder
+        self.newline, self.separator = newline, separator
+        self.decode_on_encoder = config.decode_on_encoder
+        self.tiers = {"GlobalEncoder": remote_ready(global_encoder),
+                      "LocalEncoder": remote_ready(local_encoder)}
+
+    def prepare(self, image, mode: str, max_crops: int):
+        return _bytes_or_pixels(image, mode, max_crops, self.decode_on_encoder)
+
+    async def encode(self, item) -> tuple[torch.Tensor, dict]:
+        start, sent = time.perf_counter(), _payload(item)
+        # One copy into the object store for both encoders (each call would make its own).
+        sent = ray.put(sent) if item.tiled else sent
+        crops = (sent, ("local", item.mode, item.grid)) if item.tiled else None
+        global_tokens, crop_tokens = await self._paths((sent, ("global", item.mode, item.grid)), crops)
+        return self._assembled(item, global_tokens, crop_tokens, start, start)
+
+    async def _paths(self, global_args: tuple, crop_args: tuple | None) -> tuple:
+        """Both paths' tokens: the global view's call at once, the crops' beside it."""
+        global_call = asyncio.ensure_future(call_with_retry(self.global_encoder.encode, *global_args))
+        try:
+            crop_tokens = (from_wire(await call_with_retry(self.local_encoder.encode, *crop_args))
+                           if crop_args is not None else None)
+            return from_wire(await global_call), crop_tokens
+        finally:
+            global_call.cancel()  # no-op when done; frees the call if the crops' failed
+
+    def _assembled(self, item, global_tokens, crop_tokens, start: float, ready: float):
+        encoded = time.perf_counter()
+        seq = assemble(global_tokens, crop_tokens, item.grid, self.newline, self.separator)
+        return seq, {"preprocess_ms": (ready - start) * 1e3, "encode_ms": (encoded - ready) * 1e3,
+                     "assemble_ms": (time.perf_counter() - encoded) * 1e3}
+
+    def stats(self) -> dict:
+        return {}
+
+    async def check_health(self) -> None:
+        """The encoders' health is their own replicas' (Serve checks them)."""
+
+
+class RouterViews(PathEncoders):
+    """The same two deployments sent views made here with PIL (views_on_encoder false, the
+    reference path): the global view as soon as it is made, the crops when resized (a helper
+    thread); `preprocess_ms` is until the crops are ready."""
+
+    def prepare(self, image, mode: str, max_crops: int):
+        return start_preprocess(image, mode, max_crops)
+
+    async def encode(self, pending) -> tuple[torch.Tensor, dict]:
+        start = time.perf_counter()
+        global_call = asyncio.ensure_future(
+            call_with_retry(self.global_encoder.encode, to_wire(pending.global_view)))
+        try:
+            views = await asyncio.to_thread(pending.result)
+            ready = time.perf_counter()
+            crop_tokens = (from_wire(await call_with_retry(self.local_encoder.encode, to_wire(views.crops)))
+                           if views.tiled else None)
+            global_tokens = from_wire(await global_call)
+        finally:
+            global_call.cancel()
+        return self._assembled(views, global_tokens, crop_tokens, start, ready)
+
+
+class WholeImages:
+    """One encoder of both paths, which makes the views, encodes and assembles: one call per
+    image (`call(payload, view)` -> the sequence on the wire)."""
+
+    def __init__(self, call, tiers: dict, config: AppConfig, replica: EncoderReplica | None = None):
+        self.call, self.tiers, self.replica = call, tiers, replica
+        self.decode_on_encoder = config.decode_on_encoder
+
+    @classmethod
+    def deployment(cls, encoder, config: AppConfig) -> WholeImages:
+        """The Encoder deployment (one_encoder)."""
+        return cls(lambda sent, view: call_with_retry(encoder.encode, sent, view),
+                   {"Encoder": remote_ready(encoder)}, config)
+
+    @classmethod
+    def in_process(cls, config: AppConfig) -> WholeImages:
+        """That Encoder's class in this process, on its GPU share (encoder_in_router)."""
+        replica = EncoderReplica("both", config)
+
+        async def ready() -> dict:  # in this process: ready, as this replica answers
+            return replica.ready()
+        return cls(replica.encode, {"Encoder": ready}, config, replica)
+
+    def prepare(self, image, mode: str, max_crops: int):
+        return _bytes_or_pixels(image, mode, max_crops, self.decode_on_encoder)
+
+    async def encode(self, item) -> tuple[torch.Tensor, dict]:
+        start = time.perf_counter()
+        seq = from_wire(await self.call(_payload(item), ("both", item.mode, item.grid)))
+        return seq, {"preprocess_ms": 0.0, "encode_ms": (time.perf_counter() - start) * 1e3,
+                     "assemble_ms": 0.0}
+
+    def stats(self) -> dict:
+        """The encoder in this process's stats (encoder_in_router), under `encoder`."""
+        return {"encoder": self.replica.stats()} if self.replica is not None else {}
+
+    async def check_health(self) -> None:
+        """In this process, the encoder's health check (a CUDA fault, a stuck batch) is the
+        router's: Serve replaces the router with its encoder."""
+        if self.replica is not None:
+            await self.replica.check_health()
+
+
+def encoder_strategy(global_encoder, local_encoder, newline: torch.Tensor, separator: torch.Tensor,
+                     config: AppConfig):
+    """The placement the app was built with: both handles (two path deployments), the global
+    one only (one Encoder), or none (the encoder in this process)."""
+    if config.encoder_in_router:
+        return WholeImages.in_process(config)
+    if local_encoder is None:
+        return WholeImages.deployment(global_encoder, config)
+    kind = PathEncoders if config.views_on_encoder else RouterViews
+    return kind(global_encoder, local_encoder, newline, separator, config)
+
+
+class DecoderClient:
+    """The Decoder deployment, as the pipeline calls it: a whole generation, or its deltas."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self.ready = remote_ready(decoder)
+
+    async def generate(self, ids: list[int], seqs: list[torch.Tensor], params) -> dict:
+        return await call_with_retry(self.decoder.generate, ids, [to_wire(s) for s in seqs], params)
+
+    async def stream(self, ids: list[int], seqs: list[torch.Tensor], params) -> AsyncIterator[dict]:
+        """The generation's deltas; closed early (time limit, client gone), it is cancelled."""
+        stream = self.decoder.options(stream=True).generate_stream.remote(
+            ids, [to_wire(s) for s in seqs], params)
+        finished = False
+        try:
+            async for delta in stream:
+                finished = delta["finished"]
+                yield delta
+        finally:
+            if not finished:
+                stream.cancel()
