@@ -71,12 +71,6 @@ class AppConfig(BaseModel):
         True, description="with views_on_encoder, a GPU encoder makes each request's views as "
         "it arrives (a thread and CUDA stream of their own, while the batch before runs); "
         "false (and on CPUs): in its batch, before the batch runs")
-    encoder_batch_wait_ms: float = Field(
-        0, ge=0, le=1000, description="an encoder's batch about to start waits up to this long for "
-        "requests the replica is still decoding, when more are on their way than are queued "
-        "(under load the pages one batch answered come back together; the first decoded would "
-        "otherwise run alone); a lone request never waits; 0: off (at 15 ms on an H200, 64 pages "
-        "in flight: fewer, larger batches but fewer pages a second, so off by default)")
     encoder_decode_threads: int = Field(
         4, ge=1, le=64, description="threads an encoder replica decodes the image bytes it is sent "
         "on (decode_on_encoder; PIL releases the GIL while it inflates); 12 were no faster than 4 "

@@ -130,10 +130,7 @@ class EncoderReplica:
         # One batch at a time, each taking what queued while the one before ran, up to the
         # path's largest budget in views (the Encoder: in images; the planner cuts a batch to
         # both paths' budgets).
-        self.on_the_way = 0  # requests in `encode` not yet queued (decoding, making views)
-        self.batches = BatchQueue(self.encode_batch, self.runners[0].budgets.max_units, _views,
-                                  on_the_way=lambda: self.on_the_way,
-                                  max_wait_s=config.encoder_batch_wait_ms / 1e3)
+        self.batches = BatchQueue(self.encode_batch, self.runners[0].budgets.max_units, _views)
         self.request_batches: Counter = Counter()  # requests per executed batch
         self.recent: deque[dict] = deque(maxlen=1000)  # per-batch stage timings
         self.handled: deque[float] = deque(maxlen=1000)  # per request: encode's entry to return, ms
@@ -171,11 +168,7 @@ class EncoderReplica:
         Encoder (one_encoder; `view` = ("both", mode, grid)): an image -> its whole sequence
         [num_tokens, D], assembled here (crops' grid with newlines, global view, separator)."""
         entered = time.perf_counter()
-        self.on_the_way += 1
-        try:
-            request = await self._arrive(pixels, view)
-        finally:
-            self.on_the_way -= 1
+        request = await self._arrive(pixels, view)
         result = await self.batches.submit(request)
         self.handled.append((time.perf_counter() - entered) * 1e3)
         return result

@@ -8,13 +8,6 @@ Ray Serve's `@serve.batch` does not do this (Ray 2.60): its loop forms the next 
 the one before is handed to its semaphore, not when that batch is done, so with no wait time the
 requests that arrive one by one while a batch runs became batches of one each (measured on the
 H200: 1,625 of 1,633 encoder batches held one request at 64 pages in flight).
-
-Optionally (`on_the_way` and `max_wait_s`) a batch about to start waits a little for requests
-its caller has accepted but not yet submitted, when more are on their way than are queued: an
-encoder replica decodes each page before it queues, and under a steady load the pages answered
-by one batch come back together, so the first of them to finish decoding would otherwise start
-a batch of one while the others decode (the H200's encoders ran 131 of 290 batches with one
-request at 64 pages in flight, between batches of 11-12). A lone request never waits.
 """
 from __future__ import annotations
 
@@ -26,18 +19,12 @@ from typing import Any
 
 class BatchQueue:
     def __init__(self, run_batch: Callable[[list], Awaitable[Sequence]], max_size: int,
-                 size_of: Callable[[list], int] = len, on_the_way: Callable[[], int] | None = None,
-                 max_wait_s: float = 0.0):
+                 size_of: Callable[[list], int] = len):
         """`run_batch(items)` returns one result per item, in order; it runs once at a time.
-        `size_of(items)` is a batch's size (default: the number of items). `on_the_way()`: how
-        many items the caller has accepted and will submit soon; with `max_wait_s` > 0 a batch
-        waits up to that long for them when more are on their way than are queued."""
+        `size_of(items)` is a batch's size (default: the number of items)."""
         if max_size < 1:
             raise ValueError(f"max_size must be at least 1, got {max_size}")
-        if max_wait_s < 0:
-            raise ValueError(f"max_wait_s must be at least 0, got {max_wait_s}")
         self.run_batch, self.max_size, self.size_of = run_batch, max_size, size_of
-        self.on_the_way, self.max_wait_s = on_the_way, max_wait_s
         self._pending: deque[tuple[Any, asyncio.Future]] = deque()
         self._arrived: asyncio.Event | None = None  # made in the loop that runs the batches
         self._worker: asyncio.Task | None = None
@@ -73,34 +60,11 @@ class BatchQueue:
             batch.append(self._pending.popleft())
         return batch
 
-    async def _gather(self) -> None:
-        """Before a batch starts: when more items are on their way than are queued, wait for
-        them until none is on its way, the queued ones fill a batch, or max_wait_s has passed."""
-        if not self.max_wait_s or self.on_the_way is None:
-            return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.max_wait_s
-
-        def queued() -> list:
-            return [item for item, future in self._pending if not future.done()]
-        if not queued() or self.on_the_way() <= len(queued()):
-            return  # most of the next batch is here already
-        while self.on_the_way() > 0 and self.size_of(queued()) < self.max_size:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), remaining)
-            except asyncio.TimeoutError:
-                return
-
     async def _run_batches(self) -> None:
         while True:
             await self._arrived.wait()
             self._arrived.clear()
             while True:
-                await self._gather()
                 batch = self._next_batch()
                 if not batch:
                     break

@@ -235,30 +235,7 @@ def serve_together(replica, headers) -> list:
 
     async def together():
         return await asyncio.gather(*(replica.encode(h, ("both", h.mode, h.grid)) for h in headers))
-    seqs = [from_wire(seq) for seq in asyncio.run(together())]
-    assert replica.on_the_way == 0
-    return seqs
-
-
-def test_an_encoder_waits_for_pages_still_decoding_when_asked(monkeypatch):
-    """encoder_batch_wait_ms: four pages that reach the one Encoder together, each decoded 0.1 s
-    after the one before, run as one batch; without it (0, the default) the first decoded runs
-    alone. The same sequences either way."""
-    pytest.importorskip("ray")
-    from deployments import encoders
-    from deployments.config import AppConfig
-    headers, _ = slowly_decoded_pages(monkeypatch)
-
-    def served(wait_ms):
-        replica = encoders.PathEncoder.func_or_class(
-            "both", AppConfig(max_images=4, one_encoder=True, encoder_batch_wait_ms=wait_ms))
-        return serve_together(replica, headers), dict(replica.request_batches)
-    waited, batches = served(1000)
-    assert batches == {4: 1}
-    at_once, batches = served(0)
-    assert batches[1] >= 1 and sum(n * count for n, count in batches.items()) == 4
-    for a, b in zip(waited, at_once):
-        assert torch.equal(a, b)
+    return [from_wire(seq) for seq in asyncio.run(together())]
 
 
 def test_an_encoder_decodes_on_as_many_threads_as_configured(monkeypatch):
