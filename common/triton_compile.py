@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+from . import switches
 
 log = logging.getLogger(__name__)
 _compile_only: contextvars.ContextVar[bool] = contextvars.ContextVar("triton_compile_only", default=False)
@@ -39,7 +40,7 @@ def compiling_only() -> bool:
 
 
 def enabled() -> bool:
-    return os.environ.get("DEEPSEEK_OCR_COMPILE_AHEAD", "1") != "0"
+    return switches.on("DEEPSEEK_OCR_COMPILE_AHEAD")
 
 
 def compile_ahead(forward, threads: int = 16) -> float:

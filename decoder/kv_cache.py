@@ -22,7 +22,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-PAGE_TOKENS = 64
+from common import switches
+
+from .pages import PAGE_TOKENS
+
 SCRATCH_PAGE = 0
 
 
@@ -49,7 +52,9 @@ class KVCache:
         self._pages: list[list[int]] = [[] for _ in range(max_seqs)]
         self._free = list(range(num_pages, SCRATCH_PAGE, -1))  # pop() hands out low pages first
         self._dirty = False
-        self.kernel = "triton" if self.device.type == "cuda" else "gather"
+        setting = switches.kernel("DEEPSEEK_OCR_PAGED_ATTENTION")  # "triton" on CUDA by default
+        self.kernel = "triton" if setting == "triton" or (setting == "auto" and self.device.type == "cuda") \
+            else "gather"
 
     @staticmethod
     def bytes_per_token(n_layers: int, n_heads: int, head_dim: int, dtype) -> int:

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from common import switches
+
 from .config import DecoderArgs
 from .kv_cache import KVCache
 
@@ -77,12 +79,13 @@ def packed_linear(x, weight, parts: int, fused: bool) -> tuple[torch.Tensor, ...
 
 
 class Attention(nn.Module):
-    fused = True  # one q/k/v matmul and one RoPE call for q and k; False: the reference twin
+    # One q/k/v matmul and one RoPE call for q and k; False: the reference twin.
+    fused = switches.on("DEEPSEEK_OCR_FUSED_PROJECTIONS")
     # RoPE and the KV-cache write of a forward with a cache (packed projections): "triton", one
     # kernel (decoder/triton_rope.py; on CPU only under Triton's interpreter); "torch",
     # apply_rope and KVCache.write_prefill / write_decode (the reference twin); "auto" (the
     # default): "triton" on CUDA.
-    rope_kernel = "auto"
+    rope_kernel = switches.kernel("DEEPSEEK_OCR_ROPE_KERNEL")
 
     def __init__(self, args: DecoderArgs):
         super().__init__()
@@ -124,7 +127,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    fused = True  # one gate/up matmul; False: the reference twin
+    fused = switches.on("DEEPSEEK_OCR_FUSED_PROJECTIONS")  # one gate/up matmul; False: the twin
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -174,7 +177,7 @@ class Experts(nn.Module):
     # "auto" (the default): "triton" for half-precision activations on CUDA, "grouped_mm"
     # elsewhere (fp32 models stay exact: Triton's fp32 dots round their inputs to TF32), and
     # for batches past TRITON_MAX_ROWS (token, choice) rows when that is set (None: no limit).
-    kernel = "auto"
+    kernel = switches.kernel("DEEPSEEK_OCR_MOE_KERNEL")
     TRITON_MAX_ROWS: int | None = None
 
     def __init__(self, args: DecoderArgs):

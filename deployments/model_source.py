@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from common import switches
 from common.allocator import keep_freed_memory
 from common.checkpoint import random_state_dict, save_checkpoint
 from decoder.checkpoint import released_shapes
@@ -93,7 +94,7 @@ def prepare_replica_process() -> None:
     tokens to the host and serialises them, and fresh memory faults in page by page);
     DEEPSEEK_OCR_KEEP_FREED_MEMORY=0 leaves glibc's defaults."""
     use_assigned_cpu_threads()
-    if os.environ.get("DEEPSEEK_OCR_KEEP_FREED_MEMORY", "1") != "0":
+    if switches.on("DEEPSEEK_OCR_KEEP_FREED_MEMORY"):
         keep_freed_memory()
 
 

@@ -18,14 +18,14 @@ inference mode, whose in-place updates no version counter sees.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 
+from common import switches
 from common.triton_compile import compiling_only
 
-ENABLED = os.environ.get("DEEPSEEK_OCR_CACHE_TABLES", "1") != "0"
+ENABLED = switches.on("DEEPSEEK_OCR_CACHE_TABLES")
 
 
 def derived_table(weight: torch.Tensor, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:

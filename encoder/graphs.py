@@ -36,14 +36,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common import switches
 from common.cuda_graphs import capture_graph
 from common.triton_compile import compile_ahead
 from scheduler import Item, PathBudgets, PathPlan, PathStats, Planner, default_budgets
 
 from .model import DeepEncoder, assemble
-from .preprocess import PreprocessedImage, decode, preprocess, views_of
+from .decoding import decode
 from .resize import supported as resize_supported
 from .resize import warm_up as resize_warm_up
+from .views import PreprocessedImage, preprocess, views_of
 
 log = logging.getLogger(__name__)
 GB = 1024 ** 3
@@ -57,7 +59,7 @@ GB = 1024 ** 3
 # `encode_images` does): the engine's call then only queues the DMA (~1 ms less CPU before a
 # page's paths start; `bench/staging_probe.py`).
 # DEEPSEEK_OCR_PIN_HOST_VIEWS=0 (or this flag) copies from where the views are, the reference.
-PIN_HOST_VIEWS = os.environ.get("DEEPSEEK_OCR_PIN_HOST_VIEWS", "1") != "0"
+PIN_HOST_VIEWS = switches.on("DEEPSEEK_OCR_PIN_HOST_VIEWS")
 
 
 @dataclass

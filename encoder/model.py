@@ -9,29 +9,30 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common import switches
+
 from .config import EncoderArgs
 from .derived import derived_table
-from .preprocess import normalize
 from .relpos_attention import (default_impl, relpos_attention, triton_enabled, windowed_relpos_attention,
                                windows_in_kernel)
+from .views import normalize
 
 # LayerNorms (and the residual add before one) and CLIP's quick_gelu in Triton kernels where
 # they apply (`triton_norm.py`, `triton_activation.py`); DEEPSEEK_OCR_NORM_KERNEL=0 and
 # DEEPSEEK_OCR_ACTIVATION_KERNEL=0 (or these flags) keep torch's ops, the reference.
-NORM_KERNEL = os.environ.get("DEEPSEEK_OCR_NORM_KERNEL", "1") != "0"
-ACTIVATION_KERNEL = os.environ.get("DEEPSEEK_OCR_ACTIVATION_KERNEL", "1") != "0"
+NORM_KERNEL = switches.on("DEEPSEEK_OCR_NORM_KERNEL")
+ACTIVATION_KERNEL = switches.on("DEEPSEEK_OCR_ACTIVATION_KERNEL")
 # SAM's lin1 and GELU as one cuBLASLt matmul with a GELU epilogue on a GPU in half precision
 # (`linear_gelu`): the [tokens, 3072] activation is written once, instead of written, then read
 # and written again by a separate GELU (~7% of a page batch's GPU time). cuBLASLt's GELU is the
 # tanh form, within 4.8e-4 of SAM's exact erf GELU (under one bf16 rounding of its outputs);
 # DEEPSEEK_OCR_GELU_EPILOGUE=0 (or this flag) keeps nn.Linear + F.gelu, the reference.
-GELU_EPILOGUE = os.environ.get("DEEPSEEK_OCR_GELU_EPILOGUE", "1") != "0"
+GELU_EPILOGUE = switches.on("DEEPSEEK_OCR_GELU_EPILOGUE")
 # The residual add after each MLP (SAM's 12 blocks, CLIP's 24 layers) done by the MLP's second
 # matmul on a GPU in half precision (`add_norm_mlp`): the add + norm kernel before the MLP stores
 # the residual stream with that matmul's bias already in it, and the matmul accumulates into it
@@ -40,11 +41,11 @@ GELU_EPILOGUE = os.environ.get("DEEPSEEK_OCR_GELU_EPILOGUE", "1") != "0"
 # added, not with them (one layer lands 1.13-1.14x as far from fp32 as with the separate add;
 # the whole encoder 1.54e-2, within its test's bound); DEEPSEEK_OCR_RESIDUAL_EPILOGUE=0 (or
 # this flag) keeps the add, the reference.
-RESIDUAL_EPILOGUE = os.environ.get("DEEPSEEK_OCR_RESIDUAL_EPILOGUE", "1") != "0"
+RESIDUAL_EPILOGUE = switches.on("DEEPSEEK_OCR_RESIDUAL_EPILOGUE")
 # The pixels normalised and unfolded into SAM's patch rows in one Triton pass on a GPU in half
 # precision (`triton_pixels.py`, bit for bit torch's six kernels); DEEPSEEK_OCR_PATCH_KERNEL=0
 # (or this flag) keeps torch's ops, the reference.
-PATCH_KERNEL = os.environ.get("DEEPSEEK_OCR_PATCH_KERNEL", "1") != "0"
+PATCH_KERNEL = switches.on("DEEPSEEK_OCR_PATCH_KERNEL")
 
 
 @functools.cache

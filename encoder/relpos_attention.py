@@ -22,10 +22,11 @@ tests and benchmarks; DEEPSEEK_OCR_ATTENTION=dense forces it everywhere.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
+
+from common import switches
 
 from .derived import derived_table
 
@@ -33,10 +34,7 @@ IMPLS = ("fused", "augmented", "dense")  # fused = Triton where supported, else 
 
 
 def default_impl() -> str:
-    impl = os.environ.get("DEEPSEEK_OCR_ATTENTION", "fused")
-    if impl not in IMPLS:
-        raise ValueError(f"DEEPSEEK_OCR_ATTENTION={impl!r}; expected one of {IMPLS}")
-    return impl
+    return switches.value("DEEPSEEK_OCR_ATTENTION")
 
 
 def rel_table(size: int, rel_pos: torch.Tensor) -> torch.Tensor:
@@ -97,8 +95,8 @@ def _key_onehots(hw: tuple[int, int], device, dtype):
 
 
 def triton_enabled() -> bool:
-    """DEEPSEEK_OCR_TRITON=0 turns every Triton kernel of this package off."""
-    return os.environ.get("DEEPSEEK_OCR_TRITON", "1") != "0"
+    """DEEPSEEK_OCR_TRITON=0 turns every Triton kernel off (common/switches.py)."""
+    return switches.triton()
 
 
 @functools.cache
@@ -144,7 +142,7 @@ def fused_relpos_attention(q, k, v, rel_h, rel_w):
 
 # SAM's windowed blocks on the whole grid in the Triton kernels (no pad / partition copies);
 # DEEPSEEK_OCR_WINDOW_KERNEL=0 (or this flag) keeps the reference's windows for the fused path.
-WINDOWS_IN_KERNEL = os.environ.get("DEEPSEEK_OCR_WINDOW_KERNEL", "1") != "0"
+WINDOWS_IN_KERNEL = switches.on("DEEPSEEK_OCR_WINDOW_KERNEL")
 
 
 def windows_in_kernel(x: torch.Tensor, head_dim: int, impl: str) -> bool:

@@ -15,17 +15,18 @@ The model was trained on PIL's pixels, so the GPU path must give exactly those, 
   by more than twice as many pixels as the width; which rule the installed Pillow follows is
   probed once (`pil_rule`), and where it matches neither the exact path is off (`supported`).
 
-The reference twin is PIL itself (`preprocess.py`); the tests compare the two on many sizes. On a
+The reference twin is PIL itself (`views.py`); the tests compare the two on many sizes. On a
 GPU a pass is one Triton kernel (`triton_resize.py`), its twin torch's ops (`_resample_torch`).
 """
 from __future__ import annotations
 
 import functools
 import math
-import os
 
 import numpy as np
 import torch
+
+from common import switches
 
 from .relpos_attention import triton_enabled
 
@@ -35,7 +36,7 @@ _HALF = 1 << (PRECISION_BITS - 1)
 _CHUNK_ELEMENTS = 1 << 26
 # On a GPU each pass is one Triton kernel (`triton_resize.py`: the same integer arithmetic);
 # DEEPSEEK_OCR_FUSED_RESIZE=0 (or this flag) keeps torch's ops, the reference twin.
-FUSED_PASS = os.environ.get("DEEPSEEK_OCR_FUSED_RESIZE", "1") != "0"
+FUSED_PASS = switches.on("DEEPSEEK_OCR_FUSED_RESIZE")
 
 
 def _bicubic(x: np.ndarray) -> np.ndarray:

@@ -240,3 +240,57 @@ def test_replica_allocator_setting_has_a_switch(monkeypatch):
     monkeypatch.setenv("DEEPSEEK_OCR_KEEP_FREED_MEMORY", "0")
     model_source.prepare_replica_process()
     assert calls == [1]
+
+
+def test_readme_lists_every_switch():
+    """The README's switches table is common/switches.py's: every variable, its default and
+    its values."""
+    from common.switches import SWITCHES
+    with open(os.path.join(ROOT, "README.md")) as f:
+        section = f.read().split("## Switches", 1)[1].split("\n#", 1)[0]
+    rows = [line.split("|")[1:4] for line in section.splitlines() if line.startswith("| `")]
+    documented = {name.strip().strip("`"): (default.strip().strip("`"), values.strip())
+                  for name, default, values in rows}
+    assert documented == {s.name: (s.default, " / ".join(s.choices)) for s in SWITCHES.values()}
+
+
+def test_no_module_reads_a_switch_but_the_switches_module():
+    """Every DEEPSEEK_OCR_* variable of the libraries is read through common/switches.py (the
+    corpus command's client settings aside): one table, nothing read on the side."""
+    import re
+    readers = []
+    for package in ("common", "encoder", "decoder", "scheduler", "deployments", "documents"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, package)):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                if name.endswith(".py") and not path.endswith(os.path.join("common", "switches.py")):
+                    text = open(path).read()
+                    if re.search(r"environ(?:\.get)?\(\s*[\"']DEEPSEEK_OCR_|getenv\(\s*[\"']DEEPSEEK_OCR_", text):
+                        readers.append(os.path.relpath(path, ROOT))
+    assert readers == []
+
+
+TRITON_OFF = """
+from common import switches
+from decoder.kv_cache import KVCache
+from decoder.model import Attention, Experts
+from encoder import model, relpos_attention, resize
+flags = [model.NORM_KERNEL, model.ACTIVATION_KERNEL, model.PATCH_KERNEL, resize.FUSED_PASS,
+         relpos_attention.WINDOWS_IN_KERNEL, relpos_attention._triton() is not None]
+print(flags, Attention.rope_kernel, Experts.kernel, switches.kernel("DEEPSEEK_OCR_PAGED_ATTENTION"))
+"""
+
+
+@pytest.mark.parametrize("triton, expected", [
+    ("1", "[True, True, True, True, True, True] auto auto auto"),
+    ("0", "[False, False, False, False, False, False] torch grouped_mm gather")])
+def test_triton_off_turns_every_triton_kernel_off(triton, expected):
+    """DEEPSEEK_OCR_TRITON=0 turns off every Triton kernel of the encoder and the decoder (their
+    own switches left as they are): each falls back to its twin."""
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": ROOT, "DEEPSEEK_OCR_TRITON": triton}
+    done = subprocess.run([sys.executable, "-c", TRITON_OFF], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == expected
