@@ -75,7 +75,8 @@ def graph_replay_ms(fn, iters: int) -> float:
 
 
 def rel_err(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    """|a - b| / |b|, in float64 (the tests' error measure too)."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def write_result(out_dir: str, stem: str, result: dict) -> str:

@@ -104,8 +104,8 @@ class AppConfig(BaseModel):
     allowed_local_media_path: str | None = Field(
         None, description="chat image parts may be file:// URLs under this directory (on the router's node)")
     api_key: str | None = Field(
-        None, min_length=8, description="when set (or DEEPSEEK_OCR_API_KEY), every route but "
-        "/health needs `Authorization: Bearer <key>`")
+        None, min_length=8, description="when set, every route but /health needs "
+        "`Authorization: Bearer <key>`")
     gpu_memory_fraction_global: float | None = Field(
         None, gt=0, le=1, description="GlobalEncoder's cap of its GPU's memory (shared GPUs)")
     gpu_memory_fraction_local: float | None = Field(

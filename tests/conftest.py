@@ -17,7 +17,8 @@ from tests.helpers import free_port
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped elsewhere)")
-    config.addinivalue_line("markers", "slow: takes tens of seconds on 2 CPU cores")
+    config.addinivalue_line("markers", "slow: takes tens of seconds on 2 CPU cores (CI runs them; "
+                            "-m 'not slow' leaves them out)")
 
 
 def pytest_collection_modifyitems(config, items):

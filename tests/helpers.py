@@ -7,6 +7,16 @@ import socket
 
 from PIL import Image
 
+from bench.common import rel_err  # noqa: F401  (one error measure for tests and benchmarks)
+
+
+def png(size=(64, 48), color=(10, 20, 30)) -> bytes:
+    """A plain RGB PNG of `size` in `color`."""
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now: two copies of the suite can run on one machine."""
     with socket.socket() as s:

@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STOPS_WITHIN_S = 15  # measured ~8 s (2 cores): Serve's own teardown is ~4 of them
 
 
+@pytest.mark.slow
 def test_serve_run_subprocess(tmp_path):
     """`serve run` of the app (`deployments.app:app`, the README's command), through a config
     that names it and a free port (an import path always takes port 8000, which another copy

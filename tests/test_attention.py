@@ -8,14 +8,11 @@ from encoder.model import SamBlock
 from encoder.relpos_attention import (dense_relpos_attention, fused_relpos_attention, get_rel_pos,
                                       rel_pos_terms, relpos_attention)
 from tests.conftest import run_in_triton_interpreter
+from tests.helpers import rel_err
 
 # (grid, table rows): 64x64 global block on a 1024 view, 40x40 global block on a 640 crop
 # (table interpolated), 14x14 window, and an 80x80 global block (1280 "large" mode).
 SHAPES = [((64, 64), 127), ((40, 40), 127), ((14, 14), 27), ((80, 80), 127)]
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def inputs(bsz, hw, rows, heads=2, dim=64, seed=0, device="cpu", dtype=torch.float32):

@@ -10,9 +10,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
 
 
 def run_smoke(script: str, stem: str, out) -> dict:

@@ -12,15 +12,12 @@ from decoder.model import Attention, Decoder, Experts, grouped_mm, grouped_mm_lo
 from deployments.model_source import write_random_model
 from encoder import CheckpointError, EncoderArgs
 from tests.conftest import run_in_triton_interpreter
+from tests.helpers import rel_err
 from tests.reference import deepseek_ocr2_text_model
 
 # Real head dim (128) and top-6 of 16 experts; small widths and depth.
 REF_ARGS = DecoderArgs(vocab_size=512, hidden=256, n_layers=3, n_heads=2, intermediate=384,
                        n_experts=16, moe_intermediate=64, top_k=6, name="reference-test")
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,13 @@ from PIL import Image
 from encoder import DualPathEncoder, EncoderArgs, load_encoder, preprocess, write_random_checkpoint
 from encoder.preprocess import normalize
 from tests.reference import unlimited_ocr_model
+from tests.helpers import rel_err
 
 # Real head dim (64) in SAM, reduced widths and depths; global blocks 1 and 3 so a 640 crop
 # runs a global block on a 40x40 grid (rel-pos tables interpolated from 127 to 79 rows).
 REF_ARGS = EncoderArgs(sam_width=128, sam_depth=4, sam_heads=2, sam_global_blocks=(1, 3),
                        sam_out_chans=32, downsample_channels=(64, 128), clip_width=128,
                        clip_depth=2, clip_heads=2, n_embed=96, name="reference-test")
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.fixture(scope="module")

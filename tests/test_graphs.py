@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from bench.common import rel_err
+from tests.helpers import rel_err
 from encoder import DualPathEncoder, EncoderArgs, assemble, preprocess
 from encoder.checkpoint import random_encoder
 from encoder.graphs import PathGraphs
@@ -170,14 +170,16 @@ def test_encoder_results_copied_together_equal_one_copy_each_on_gpu():
 
 def check_views_made_on_arrival():
     """A batch of decoded-pixel requests whose views were made as each arrived (what `encode`
-    does with views_on_arrival on a GPU: on the views thread and stream) and the same batch
-    making them itself (the twin): the same tokens, bit for bit, and the stage timings
+    does with views_on_arrival on a GPU: on the views thread and stream), the same batch making
+    them itself, and the in-process engine's `encode_images` of the images (views made by the
+    engine's own path, not the replica's): the same tokens, bit for bit, and the stage timings
     recorded. The replica's device: the GPU where there is one."""
     from deployments.config import AppConfig
     from deployments.encoders import PathEncoder, Request
     from deployments.protocol import from_wire, to_wire
     from encoder.preprocess import decode
-    decoded = [decode(image(w, h, i)) for i, (w, h) in enumerate(MIXED)]
+    images = [image(w, h, i) for i, (w, h) in enumerate(MIXED)]
+    decoded = [decode(im) for im in images]
     replica = PathEncoder.func_or_class("both", AppConfig(max_images=4, one_encoder=True))
     assert replica.views_on_arrival == torch.cuda.is_available()
     requests = [Request(to_wire(d.pixels), ("both", d.mode, d.grid)) for d in decoded]
@@ -186,8 +188,10 @@ def check_views_made_on_arrival():
         r.views = replica.views_worker.submit(replica._views_of, r.pixels, r.view).result()
         assert (r.views.ready is not None) == torch.cuda.is_available()
     on_arrival = replica._run_batch(requests)
-    for seq, twin in zip(on_arrival, in_batch):
+    in_process = replica.engine.encode_images(images)
+    for seq, twin, want in zip(on_arrival, in_batch, in_process):
         assert torch.equal(from_wire(seq), from_wire(twin))
+        assert torch.equal(from_wire(seq).to(want.device), want)
     stages = replica.stats()["stages_p50_ms"]
     assert stages["batches"] == 2 and stages["views_ms"] > 0 and stages["run_ms"] > 0
 

@@ -19,12 +19,8 @@ from decoder.grounding import parse_blocks
 from deployments import media
 from deployments.media import crop_image_blocks, read_image_url
 from deployments.protocol import BadRequest, PayloadTooLarge
+from tests.helpers import png
 
-
-def png(size=(64, 48)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, (10, 20, 30)).save(buf, "PNG")
-    return buf.getvalue()
 
 
 class Handler(http.server.SimpleHTTPRequestHandler):

@@ -2,11 +2,9 @@
 CPU, real Serve): chat completions (plain and streamed), vLLM's extra_body knobs, models, errors
 in the one envelope; and the chat prompt built as vLLM builds it."""
 import base64
-import io
 import json
 
 import pytest
-from PIL import Image
 
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
@@ -16,15 +14,10 @@ from decoder.tokenizer import IMAGE_TOKEN_ID, ByteTokenizer, build_prompt  # noq
 from deployments.openai_api import ChatRequest  # noqa: E402
 from deployments.protocol import BadRequest, OcrOptions  # noqa: E402
 from tests.conftest import SERVE_URL  # noqa: E402
+from tests.helpers import png  # noqa: E402
 
 
-def png(size=(500, 300), color=(200, 120, 40)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, color).save(buf, "PNG")
-    return buf.getvalue()
-
-
-IMAGE = png()
+IMAGE = png((500, 300), (200, 120, 40))
 DATA_URL = "data:image/png;base64," + base64.b64encode(IMAGE).decode()
 
 

@@ -2,7 +2,6 @@
 streams, API keys and metrics (tiny model, CPU, real Serve where it matters)."""
 import asyncio
 import base64
-import io
 import json
 import os
 import re
@@ -11,21 +10,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from PIL import Image
 
 requests = pytest.importorskip("requests")
 pytest.importorskip("ray")
 
 from tests.conftest import METRICS_PORT, SERVE_APP, SERVE_URL  # noqa: E402
+from tests.helpers import png  # noqa: E402
 
 KEY = "test-key-0123456789"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def png(size=(1191, 1684)) -> str:
-    buf = io.BytesIO()
-    Image.new("RGB", size, (240, 240, 240)).save(buf, "PNG")
-    return base64.b64encode(buf.getvalue()).decode()
+def page(size=(1191, 1684)) -> str:
+    """A light grey page as base64."""
+    return base64.b64encode(png(size, (240, 240, 240))).decode()
 
 
 # --- replicas, without a cluster ------------------------------------------------------------------
@@ -122,7 +120,7 @@ def test_full_downstream_queue_answers_503_json_with_retry_after():
     from deployments.router import Router
     cls = Router.func_or_class
     router = cls.__new__(cls)
-    body = json.dumps({"image": png((64, 64))}).encode()
+    body = json.dumps({"image": page((64, 64))}).encode()
 
     async def receive():
         return {"type": "http.request", "body": body, "more_body": False}
@@ -159,7 +157,7 @@ def auth(key=KEY):
 
 
 def test_api_key_guards_every_route_but_liveness(limited):
-    body = {"image": png((300, 200)), "max_tokens": 2}
+    body = {"image": page((300, 200)), "max_tokens": 2}
     for headers in ({}, auth("wrong-key-000")):
         response = requests.post(f"{limited}/v1/ocr", json=body, headers=headers, timeout=60)
         assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
@@ -194,7 +192,7 @@ def test_ready_reports_every_tier(limited):
 def test_four_times_capacity_is_answered_or_refused_never_lost(limited):
     """8 clients against a capacity of 2, for a bounded number of rounds: every request gets
     200 or a 503 JSON refusal with Retry-After; none hangs; the app serves afterwards."""
-    body = {"image": png(), "max_tokens": 24}
+    body = {"image": page(), "max_tokens": 24}
 
     def client(_):
         answers = []
@@ -258,7 +256,7 @@ def assert_decoder_freed_soon(app: str) -> None:
 
 
 def test_time_limit_answers_408_and_aborts_the_decode(serve_app):
-    body = {"image": png((300, 200)), **LONG, "timeout_s": 1.5}
+    body = {"image": page((300, 200)), **LONG, "timeout_s": 1.5}
     response = requests.post(f"{SERVE_URL}/v1/ocr", json=body, timeout=120)
     assert response.status_code == 408, response.text
     assert "timeout_s" in response.json()["error"]["message"]
@@ -266,7 +264,7 @@ def test_time_limit_answers_408_and_aborts_the_decode(serve_app):
 
 
 def test_stream_out_of_time_sends_an_error_event_then_done(serve_app):
-    body = {"image": png((300, 200)), **LONG, "stream": True, "timeout_s": 3}
+    body = {"image": page((300, 200)), **LONG, "stream": True, "timeout_s": 3}
     response = requests.post(f"{SERVE_URL}/v1/ocr", json=body, timeout=120, stream=True)
     assert response.status_code == 200
     events = [line.removeprefix("data: ") for line in response.iter_lines(decode_unicode=True) if line]
@@ -288,7 +286,7 @@ def test_document_out_of_time_cancels_its_pages(serve_app):
 
 
 def test_total_ms_is_the_whole_request_and_holds_every_stage(serve_app):
-    body = {"image": png((900, 700)), "max_tokens": 8}
+    body = {"image": page((900, 700)), "max_tokens": 8}
     timings = requests.post(f"{SERVE_URL}/v1/ocr", json=body, timeout=300).json()["timings"]
     assert timings["total_ms"] >= timings["encoding_ms"] + timings["decode_ms"], timings
     stages = ("preprocess_ms", "encode_ms", "assemble_ms", "decode_ms", "prefill_ms", "generate_ms")
@@ -296,7 +294,7 @@ def test_total_ms_is_the_whole_request_and_holds_every_stage(serve_app):
 
 
 def test_dropped_stream_frees_its_decoder_slot(serve_app):
-    body = {"image": png((300, 200)), "max_tokens": 2000, "stream": True, "ngram": {"enabled": False}}
+    body = {"image": page((300, 200)), "max_tokens": 2000, "stream": True, "ngram": {"enabled": False}}
     with requests.post(f"{SERVE_URL}/v1/ocr", json=body, timeout=120, stream=True) as response:
         assert response.status_code == 200
         events = response.iter_lines()
@@ -314,8 +312,8 @@ def scrape() -> str:
 def test_metrics_are_exported_and_the_dashboard_plots_them(serve_app):
     """After real traffic (a page, a bad request), every series the Grafana dashboard queries is
     on Ray's metrics port, with the app's own values in it."""
-    requests.post(f"{SERVE_URL}/v1/ocr", json={"image": png(), "max_tokens": 3}, timeout=300)
-    requests.post(f"{SERVE_URL}/v1/ocr", json={"image": png(), "mode": "huge"}, timeout=60)
+    requests.post(f"{SERVE_URL}/v1/ocr", json={"image": page(), "max_tokens": 3}, timeout=300)
+    requests.post(f"{SERVE_URL}/v1/ocr", json={"image": page(), "mode": "huge"}, timeout=60)
     with open(os.path.join(ROOT, "deployments", "grafana-dashboard.json")) as f:
         dashboard = json.load(f)
     queried = {re.sub(r"_(bucket|total)$", "", name)
@@ -338,6 +336,7 @@ def test_metrics_are_exported_and_the_dashboard_plots_them(serve_app):
 
 
 # --- lost replicas (last: it replaces this module's replicas) --------------------------------------
+@pytest.mark.slow
 def test_killed_replicas_are_replaced_and_requests_complete(serve_app):
     """100 tiled pages at 8 in flight; the LocalEncoder's process is killed after 20 answers,
     the Decoder's after 60. The router retries calls that a lost replica dropped (a generation
@@ -346,7 +345,7 @@ def test_killed_replicas_are_replaced_and_requests_complete(serve_app):
     import signal
 
     from ray import serve
-    body = {"image": png((800, 600)), "max_tokens": 8}  # 3x2 crops: both encoders, then decoding
+    body = {"image": page((800, 600)), "max_tokens": 8}  # 3x2 crops: both encoders, then decoding
     done, kills, lock = [], {}, threading.Lock()
 
     def stats(name):

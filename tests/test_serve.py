@@ -204,6 +204,7 @@ def test_encode_only_app_with_views_made_by_the_router(handle):
         serve.delete("encode-only")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("placement", ["one_encoder", "encoder_in_router"])
 def test_one_encoder_app_equals_the_two_encoder_app(handle, placement):
     """one_encoder (both paths in one Encoder deployment, one call per image) and
@@ -282,6 +283,7 @@ def test_encoders_refuse_bad_decoded_requests_alone(handle):
     assert tokens[0].shape[:2] == (2, 100)
 
 
+@pytest.mark.slow
 def test_readme_handle_example_runs_from_a_second_process(handle, tmp_path):
     """The README's Python-handle block, as written, in a fresh interpreter that joins this
     cluster; only the app name and the image path are this test's."""
