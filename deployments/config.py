@@ -33,10 +33,6 @@ class AppConfig(BaseModel):
         None, description="encoder and decode-step CUDA graphs; none: on when on a GPU")
     max_images: int = Field(
         32, ge=1, le=256, description="images per encoder batch; sets both paths' graph budgets")
-    compile_encoder: bool = Field(
-        False, description="torch.compile each encoder path's forward before graph capture "
-        "(1.21x pages/s measured; a replica's start-up 181 s with a cold Inductor cache, 33 s "
-        "with a warm one (TORCHINDUCTOR_CACHE_DIR keeps it on the node), against ~6 s)")
     max_graph_memory_gb: float | None = Field(
         None, gt=0, description="cap on each encoder replica's graph memory (largest dropped first)")
     max_batch: int = Field(

@@ -146,8 +146,7 @@ class EncoderReplica:
         loaded = time.perf_counter()
         engine = DualPathEncoder(encoder, max_images=config.max_images, use_graphs=config.use_graphs,
                                  max_graph_memory_gb=config.max_graph_memory_gb,
-                                 paths=("global", "local") if self.path == "both" else (self.path,),
-                                 compile=config.compile_encoder)
+                                 paths=("global", "local") if self.path == "both" else (self.path,))
         # Only a GPU's batch leaves the host free to make views meanwhile (on a CPU both compete
         # for the same cores, and batches would shrink to the requests whose views are done).
         self.views_on_arrival = config.views_on_arrival and encoder.device.type == "cuda"

@@ -224,7 +224,7 @@ class DualPathEncoder:
 
     def __init__(self, encoder: DeepEncoder, budgets: tuple[PathBudgets, PathBudgets] | None = None,
                  max_images: int = 32, use_graphs: bool | None = None,
-                 max_graph_memory_gb: float | None = None, compile: bool = False,
+                 max_graph_memory_gb: float | None = None,
                  overlap_paths: bool = True, paths: tuple[str, ...] = ("global", "local"),
                  views_on_device: bool | None = None):
         unknown = set(paths) - {"global", "local"}
@@ -238,8 +238,6 @@ class DualPathEncoder:
         self.views_on_device = views_on_device
         global_budgets, local_budgets = budgets or default_budgets(max_images=max_images)
         forward_global, forward_local = encoder.forward_global, encoder.forward_local
-        if compile:  # a static compile for the first batch size, one dynamic one after that
-            forward_global, forward_local = torch.compile(forward_global), torch.compile(forward_local)
         self.global_path = self.local_path = None
         left = max_graph_memory_gb
         # The views' resize kernel compiles ahead with the first path's kernels.

@@ -470,24 +470,3 @@ def test_deployments_plan_and_replay_like_the_in_process_engine(tmp_path):
         a, b = one.engine.stats()[path], fresh.stats()[path]
         for key in ("graph_hits", "graph_misses", "padding_fraction", "batch_sizes"):
             assert a[key] == b[key], ("one encoder", path, key)
-
-
-@pytest.mark.gpu
-def test_compiled_graphs_equal_eager(cuda_engine):
-    """compile=True (torch.compile before capture, AppConfig.compile_encoder) against eager.
-
-    Inductor fuses bf16 elementwise chains and keeps their intermediates in fp32, so through
-    36 random-weight layers the two bf16 results differ by more than an elementwise bf16
-    tolerance (26.9% of elements beyond 0.016 on the H200) while neither is wrong. The check
-    that can fail for a real bug: against an fp32 twin of the same weights, the compiled
-    graphs are no further off than eager bf16 is (relative norm)."""
-    budgets = (PathBudgets.geometric("global", 272, 2), PathBudgets.geometric("local", 100, 6))
-    compiled = DualPathEncoder(cuda_engine.encoder, budgets, max_images=2, compile=True)
-    items = [preprocess(image(w, h, i)) for i, (w, h) in enumerate([(1191, 1684), (448, 448)])]
-    fp32_twin = random_encoder(EncoderArgs(), device="cuda", dtype=torch.float32)
-    fp32_twin.load_state_dict(cuda_engine.encoder.state_dict())  # same weights, upcast
-    exact = eager_reference(fp32_twin, items)
-    for g, e, x in zip(compiled.encode(items), eager_reference(cuda_engine.encoder, items), exact):
-        compiled_err, eager_err = rel_err(g, x), rel_err(e, x)
-        print(f"relative error vs fp32: compiled {compiled_err:.4f}, eager {eager_err:.4f}")
-        assert compiled_err <= 1.25 * eager_err + 1e-3
