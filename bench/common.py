@@ -81,8 +81,11 @@ def rel_err(a, b) -> float:
 
 def write_result(out_dir: str, stem: str, result: dict) -> str:
     """bench/results/<stem>-<date>.json; prints the summary (the reply's tail) and the path."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{stem}-{result['date']}.json")
+    return _write_json(os.path.join(out_dir, f"{stem}-{result['date']}.json"), result)
+
+
+def _write_json(path: str, result: dict) -> str:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     if "summary" in result:
@@ -96,11 +99,4 @@ def write_tuning(out: str, name: str, result: dict) -> str:
     default: the latest run only, git keeps history), or `out` itself where it ends in .json.
     Tuners never edit source: `result["copy_into"]` names the constant a maintainer copies the
     pick into."""
-    path = out if out.endswith(".json") else os.path.join(out, f"tune-{name}.json")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    if "summary" in result:
-        print(json.dumps(result["summary"], indent=2))
-    print("wrote", path)
-    return path
+    return _write_json(out if out.endswith(".json") else os.path.join(out, f"tune-{name}.json"), result)

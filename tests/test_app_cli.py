@@ -16,7 +16,7 @@ from tests.helpers import free_port
 
 requests = pytest.importorskip("requests")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STOPS_WITHIN_S = 15  # measured ~8 s (2 cores): Serve's own teardown is ~4 of them
+STOPS_WITHIN_S = 20  # measured ~8 s on 2 cores (Serve's own teardown ~4 of them); ~28 s before
 
 
 @pytest.mark.slow
