@@ -172,8 +172,7 @@ class Experts(nn.Module):
     # "grouped_mm": gather, two grouped matmuls, SiLU, weighted index-add (the reference twin);
     # "triton": the two fused kernels of decoder/triton_moe.py (on CPU only under Triton's
     # interpreter), with decode tiles for decode steps and larger ones for prefills. On an
-    # H200 they made decode steps 8-19% shorter at 1-256 sequences
-    # (bench/results/decoder-moe-kernel-2026-12-02.json).
+    # H200 they made decode steps 8-19% shorter at 1-256 sequences (decoder_bench, 2026-12-02).
     # "auto" (the default): "triton" for half-precision activations on CUDA, "grouped_mm"
     # elsewhere (fp32 models stay exact: Triton's fp32 dots round their inputs to TF32), and
     # for batches past TRITON_MAX_ROWS (token, choice) rows when that is set (None: no limit).

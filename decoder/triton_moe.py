@@ -40,13 +40,13 @@ class Tile(NamedTuple):
     atomic_add: bool = True
 
 
-# Picked by bench/tune_moe_kernel.py on an H200 (moe-kernel-tuning-2026-12-02.json): the least
+# Picked by bench/tune/tune_moe_kernel.py on an H200 (2026-12-02): the least
 # time summed over decode batches of 1-256 tokens, within 5% of each batch's own best tile from
 # 64 tokens on. One row block covers a decode step's ~24 rows per expert at 256 sequences.
 GATE_UP_TILE = Tile(32, 64, 128)
 DOWN_TILE = Tile(32, 64, 64)
 # From PREFILL_ROWS sorted rows on (a prefill's thousands of rows per expert), picked by
-# bench/tune_moe_kernel.py --prefill 1 (moe-kernel-tuning-prefill-2026-12-02.json): the least
+# bench/tune/tune_moe_kernel.py --prefill 1 (2026-12-02): the least
 # time summed over 1,024-16,384 tokens. The down kernel's stores beat its best atomic adds at
 # every size (738 against 1,096 us at 16,384 tokens); the experts forward reaches 384 TFLOP/s
 # there, 1.9x the grouped matmuls.
@@ -137,7 +137,7 @@ def _row_blocks(rows: int, experts: int, block_m: int) -> int:
 
 def gate_up_silu(x, order, ends, gate_up, top_k: int, tile: Tile | None = None) -> torch.Tensor:
     """SiLU(gate) * up of each sorted (token, choice) row under its expert: [N * top_k, I]."""
-    # The module's tiles are read at call time: bench/tune_moe_kernel.py sets them.
+    # The module's tiles are read at call time: bench/tune/tune_moe_kernel.py sets them.
     tile = tile or (GATE_UP_TILE if order.numel() < PREFILL_ROWS else PREFILL_GATE_UP_TILE)
     experts, two_inter, hidden = gate_up.shape
     inter, rows = two_inter // 2, order.numel()

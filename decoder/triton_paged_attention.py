@@ -25,7 +25,7 @@ from common.triton_compile import launch_kernel
 
 from .pages import PAGE_TOKENS
 
-# Tuned on an H200 (bench/tune_paged_attention.py; results in bench/results/): tokens per loop
+# Tuned on an H200 (bench/tune/tune_paged_attention.py; results in bench/results/): tokens per loop
 # step, the most tokens one program walks, warps, pipeline stages.
 BLOCK_T, SPLIT_TOKENS, NUM_WARPS, NUM_STAGES = 32, 256, 2, 2
 

@@ -210,7 +210,7 @@ def page_locked(pixels: torch.Tensor) -> torch.Tensor:
     DataLoader's pin_memory: their copy to the GPU is then a DMA queued on the stream, which
     neither holds the launching thread nor needs the engine to pin them on the encode's path
     (on the H200 machine a page's host views cost the engine's call ~1 ms of CPU when it pins
-    them itself, `bench/staging_probe.py`). Pinning copies them once; page-locked memory is
+    them itself, as a probe measured). Pinning copies them once; page-locked memory is
     the machine's RAM that cannot be swapped, so pin what is about to be encoded, not a corpus."""
     if pixels.is_pinned() or not torch.cuda.is_available():
         return pixels

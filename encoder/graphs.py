@@ -57,7 +57,7 @@ GB = 1024 ** 3
 # the pinned blocks for reuse: up to ~0.4 GB for a full 32-page batch of host views.
 # Better still, views pinned where they are made (`preprocess(pin_memory=True)`, as
 # `encode_images` does): the engine's call then only queues the DMA (~1 ms less CPU before a
-# page's paths start; `bench/staging_probe.py`).
+# page's paths start).
 # DEEPSEEK_OCR_PIN_HOST_VIEWS=0 (or this flag) copies from where the views are, the reference.
 PIN_HOST_VIEWS = switches.on("DEEPSEEK_OCR_PIN_HOST_VIEWS")
 

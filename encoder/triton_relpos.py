@@ -264,7 +264,7 @@ def rel_pos_terms(q: torch.Tensor, table_h: torch.Tensor, table_w: torch.Tensor,
 
 
 # Tile configs per grid width (64: global block on a 1024 view, 40: on a 640 crop, 14: windows),
-# measured on an H200 by bench/tune_relpos_kernel.py (the whole op, rel terms included; 8 views
+# measured on an H200 by bench/tune/tune_relpos_kernel.py (the whole op, rel terms included; 8 views
 # or 48 crops, windows in place on both grids; relpos-kernel-tuning-2026-12-03.json). 40: a
 # 32-column part in blocks of 4 rows, then the 8-column tail in blocks of 8 rows, 1.88 ms against
 # 2.49 with each row padded to 64; 14: 4 warps and 3 stages, 0.33 / 0.65 ms against 0.47 / 0.94.

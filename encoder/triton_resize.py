@@ -2,8 +2,8 @@
 
 Torch's pass (`resize._resample_torch`, the twin) is five kernels over a widening temporary: the taps gathered
 as uint8, multiplied into int32 [.., out, taps], summed, shifted, clamped and cast; a text page's
-views took 33 kernels and 0.48 ms of GPU time, a colour page's 1.42 ms (H200,
-`bench/views_probe.py`), on the GPU the encoder's batches run on. Here each output pixel reads
+views took 33 kernels and 0.48 ms of GPU time, a colour page's 1.42 ms (H200, as a probe
+measured), on the GPU the encoder's batches run on. Here each output pixel reads
 its taps, multiplies and sums them in int32 registers and stores its uint8: the same integer
 arithmetic (a sum of int32 products, round half up by 2^21, an arithmetic shift by 22, a clamp
 to 0..255), so the same pixels in any order. The tap count is a runtime loop bound and no

@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True, scope="module")
 def free_cuda_memory_after_each_module():
     """On a GPU, what a module's engines held goes back before the next module, as the GPU
-    tests of every file run in one process (`gpu_session.sh encoder`): without this,
+    tests of every file run in one process (`pytest -m gpu`): without this,
     test_attention's dense formula (29 GB) met ~108 GB still held after earlier modules (an
     engine's graphs, streams and closures can keep it in reference cycles, which only a full
     collection frees; with it, the same run passed)."""
