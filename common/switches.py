@@ -26,7 +26,7 @@ ON_OFF = ("1", "0")
 SWITCHES = {s.name: s for s in (
     Switch("DEEPSEEK_OCR_TRITON", "1", ON_OFF,
            "torch's ops for every Triton kernel of the encoder and the decoder (the fused rel-pos "
-           "attention: SDPA with the bias terms as its mask)"),
+           "attention then runs as `augmented`)"),
     Switch("DEEPSEEK_OCR_ATTENTION", "fused", ("fused", "augmented", "dense"),
            "`dense`: SAM's attention with the rel-pos bias made dense, then SDPA (encoder); "
            "`augmented`: the bias as extra q/k columns in SDPA, as `fused` does without Triton"),
