@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 
 import ray
+import torch
 from ray import serve
 
 from decoder import (AsyncEngine, GenerationEngine, GenerationRequest, SamplingParams, load_decoder,
@@ -22,7 +23,6 @@ from .config import PROBE_EVERY_S, SHUTDOWN, STUCK_AFTER_S, AppConfig
 from .metrics import decoder_metrics
 from .model_source import (device_and_dtype, prepare_replica_process, replica_id, resolve_checkpoint,
                            start_cuda, startup_phases)
-from .protocol import Wire, from_wire
 
 
 # max_queued_requests: past it, callers get BackPressureError at once (the router answers 503
@@ -85,11 +85,11 @@ class DecoderServer:
                 "max_batch": engine.max_batch, "max_len": engine.max_len,
                 "kv_cache_tokens": engine.cache.capacity_tokens, "startup_s": self.startup_s}
 
-    async def generate(self, prompt_ids: list[int], image_embeds: list[Wire],
+    async def generate(self, prompt_ids: list[int], image_embeds: list[torch.Tensor],
                        params: SamplingParams) -> dict:
         """The whole generation in one answer (merged on the engine thread: no per-token work
         on this replica's event loop), with its time in this replica (`timings`)."""
-        request = GenerationRequest(prompt_ids, [from_wire(e) for e in image_embeds], params)
+        request = GenerationRequest(prompt_ids, image_embeds, params)
         arrived, last = time.monotonic(), None
         self._record_load()
         try:
@@ -100,9 +100,9 @@ class DecoderServer:
         timings = self._record_latency(request, last, arrived, last.first_token_at, time.monotonic())
         return {**self._as_dict(last), "timings": timings}
 
-    async def generate_stream(self, prompt_ids: list[int], image_embeds: list[Wire],
+    async def generate_stream(self, prompt_ids: list[int], image_embeds: list[torch.Tensor],
                               params: SamplingParams) -> AsyncIterator[dict]:
-        request = GenerationRequest(prompt_ids, [from_wire(e) for e in image_embeds], params)
+        request = GenerationRequest(prompt_ids, image_embeds, params)
         arrived, first = time.monotonic(), None
         self._record_load()
         try:

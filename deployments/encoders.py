@@ -1,19 +1,27 @@
-"""GlobalEncoder and LocalEncoder: one deployment class, one path each, running the encode engine;
-or, with `one_encoder`, one `Encoder` deployment serving both paths.
+"""GlobalEncoder, LocalEncoder and Encoder: one deployment class running the encode engine in the
+role it was built for (`encoder_roles.ROLES`): one path each, or (one_encoder, and the Router's own process
+with encoder_in_router) both paths and the image's whole sequence.
 
-A replica loads the encoder and builds `DualPathEncoder(paths=(path,))` (the Encoder: both
-paths), the same engine the in-process API and the benchmarks run: requests that queued while
-the batch before ran (`scheduler.BatchQueue`, counting views, not requests; the Encoder counts
-images) are planned into token-budget batches by the scheduler's planner and replayed from this
-path's CUDA graphs, or run eagerly. The engine runs on one worker thread of the replica
-(capture and every replay), so the replica's event loop stays free for health checks and new
-arrivals while a batch runs; one batch at a time, since graphs own their static buffers. On CPU
-it runs eagerly.
+A replica loads the encoder and builds `DualPathEncoder(paths=role.paths)`, the same engine the
+in-process API and the benchmarks run: requests that queued while the batch before ran
+(`scheduler.BatchQueue`, counting views, not requests; the Encoder counts images) are planned
+into token-budget batches by the scheduler's planner and replayed from its paths' CUDA graphs,
+or run eagerly. The engine runs on one worker thread of the replica (capture and every replay),
+so the replica's event loop stays free for health checks and new arrivals while a batch runs;
+one batch at a time, since graphs own their static buffers. On CPU it runs eagerly.
 
-On a GPU, views made here from decoded pixels are made as each request arrives, on a views
-thread and a CUDA stream of their own (`views_on_arrival`): while one batch runs the next one's
-views are made, instead of the GPU waiting ~2 ms a page for them before each batch. Otherwise
-(the switch off, or a CPU) they are made in the batch, on the worker thread: the reference twin.
+What a replica is sent, each image as it stands at one stage of its way:
+  `ImageHeader`   its bytes and what their header says (decode_on_encoder): decoded here;
+  `DecodedImage`  its decoded pixels with its grid: this replica makes its role's views;
+  a tensor        views the router made (views_on_encoder false): a global view [3, S, S] to
+                  the GlobalEncoder, an image's crops [P, 3, 640, 640] to the LocalEncoder.
+Tensors cross processes in one format: raw bytes out of band (`protocol.send_tensors_out_of_band`,
+which every replica process calls).
+
+On a GPU, views made here are made as each request arrives, on a views thread and a CUDA stream
+of their own (`views_on_arrival`): while one batch runs the next one's views are made, instead
+of the GPU waiting ~2 ms a page for them before each batch. Otherwise (the switch off, or a
+CPU) they are made in the batch, on the worker thread: the reference twin.
 """
 from __future__ import annotations
 
@@ -30,26 +38,26 @@ import ray
 import torch
 from ray import serve
 
-from encoder import DualPathEncoder, assemble, load_encoder
-from encoder.preprocess import (DEFAULT_MAX_CROPS, MAX_CROPS_LIMIT, ImageHeader, check_view_options,
-                                crops_of, decode_header, global_view_of)
+from encoder import DecodedImage, DualPathEncoder, load_encoder
+from encoder.preprocess import ImageHeader, decode_header
 from scheduler import BatchQueue
 
 from .config import PROBE_EVERY_S, SHUTDOWN, STUCK_AFTER_S, AppConfig
+from .encoder_roles import ROLES
 from .metrics import encoder_metrics, medians
 from .model_source import (device_and_dtype, prepare_replica_process, replica_id, resolve_checkpoint,
                            start_cuda, startup_phases)
-from .protocol import Wire, from_wire, to_wire, to_wire_all
+from .protocol import to_host
 
-
-ViewSpec = tuple[str, str, tuple[int, int]]
+Sent = ImageHeader | DecodedImage | torch.Tensor  # what `encode` takes (see above)
 
 
 @dataclass
-class Views:
-    """One request's views on this replica's device: the global view [3, S, S] and the crops
-    [P, 3, 640, 640], None where it sends nothing to that path; `ready` (CUDA): recorded on the
-    stream that made them, which the batch's stream waits for."""
+class DeviceViews:
+    """One image's views on this replica's device, as its role's paths take them: the global
+    view [3, S, S] and the crops [P, 3, 640, 640], None where the role sends nothing to that
+    path; `ready` (CUDA): recorded on the stream that made them, which the batch's stream waits
+    for."""
 
     global_view: torch.Tensor | None
     crops: torch.Tensor | None
@@ -58,52 +66,14 @@ class Views:
 
 
 @dataclass
-class Request:
-    """What a request asks for: its views as sent (a global view [3, S, S], or crops [P, 3, 640,
-    640]) with `view` None; or decoded pixels [C, H, W] with `view` = (path, mode, grid), from
-    which this replica makes its path's views (views_on_encoder; path "both": the Encoder of
-    one_encoder makes the global view and, for a tiled image, the crops). `views`: made on
-    arrival (views_on_arrival), else in the batch."""
+class QueuedImage:
+    """An image in this replica's batch queue: as sent (views, or a decoded image whose views
+    are made here), its views once made (on arrival, or in the batch), and its stage times."""
 
-    pixels: Wire
-    view: ViewSpec | None = None
+    sent: DecodedImage | torch.Tensor
     arrived: float = field(default_factory=time.perf_counter)
-    views: Views | None = None
+    views: DeviceViews | None = None
     decode_ms: float = 0.0  # decoding the bytes it was sent as took (decode_on_encoder)
-
-
-def _views(requests: list[Request]) -> int:
-    """Views in a batch of requests (the batch size Serve counts)."""
-    def count(request: Request) -> int:
-        (array, _), view = request.pixels, request.view
-        if view is not None:
-            path, _, (w_tiles, h_tiles) = view
-            return w_tiles * h_tiles if path == "local" else 1  # "both": counted in images
-        return 1 if array.ndim == 3 else array.shape[0]
-    return sum(count(r) for r in requests)
-
-
-def check_view(path: str, pixels: Wire, view: ViewSpec) -> None:
-    """A ValueError naming what is wrong with a request of decoded pixels (before it joins a
-    batch, where it would fail every request of the batch)."""
-    array, dtype = pixels
-    if dtype != "uint8" or array.ndim != 3 or array.shape[0] not in (1, 3) or min(array.shape) < 1:
-        raise ValueError(f"decoded pixels must be uint8 [1 or 3, H, W], got {dtype} {array.shape}")
-    if not (isinstance(view, tuple) and len(view) == 3):
-        raise ValueError(f"view must be (path, mode, grid), got {view!r}")
-    sent_path, mode, grid = view
-    if sent_path != path:
-        target = "Encoder of both paths" if path == "both" else f"{path} encoder"
-        raise ValueError(f"a {sent_path!r} view sent to the {target}")
-    check_view_options(mode, DEFAULT_MAX_CROPS)
-    if path == "global":
-        return
-    tiles = grid[0] * grid[1] if (isinstance(grid, tuple) and len(grid) == 2
-                                  and all(isinstance(n, int) and n >= 1 for n in grid)) else 0
-    untiled_ok = path == "both" and grid == (1, 1)  # the Encoder also takes untiled images
-    if not (untiled_ok or 2 <= tiles <= MAX_CROPS_LIMIT):
-        raise ValueError(f"grid must be (width tiles, height tiles) of 2..{MAX_CROPS_LIMIT} crops"
-                         f"{' (or (1, 1): not tiled)' if path == 'both' else ''}, got {grid!r}")
 
 
 class EncoderReplica:
@@ -112,9 +82,9 @@ class EncoderReplica:
     at module level, so pickling the Router (`serve.ingress` does) refers to it by name."""
 
     def __init__(self, path: str, config: AppConfig):
-        if path not in ("global", "local", "both"):
-            raise ValueError(f"path must be 'global', 'local' or 'both', got {path!r}")
-        self.path = path
+        if path not in ROLES:
+            raise ValueError(f"path must be one of {', '.join(map(repr, ROLES))}, got {path!r}")
+        self.role = ROLES[path]
         constructor_start = time.perf_counter()
         prepare_replica_process()
         cuda = start_cuda(config.gpu_memory_fraction(path))
@@ -130,7 +100,8 @@ class EncoderReplica:
         # One batch at a time, each taking what queued while the one before ran, up to the
         # path's largest budget in views (the Encoder: in images; the planner cuts a batch to
         # both paths' budgets).
-        self.batches = BatchQueue(self.encode_batch, self.runners[0].budgets.max_units, _views)
+        self.batches = BatchQueue(self.encode_batch, self.runners[0].budgets.max_units,
+                                  lambda images: sum(self.role.units(image.sent) for image in images))
         self.request_batches: Counter = Counter()  # requests per executed batch
         self.recent: deque[dict] = deque(maxlen=1000)  # per-batch stage timings
         self.handled: deque[float] = deque(maxlen=1000)  # per request: encode's entry to return, ms
@@ -145,8 +116,7 @@ class EncoderReplica:
         encoder = load_encoder(directory, device=device, dtype=dtype, timings=reads)
         loaded = time.perf_counter()
         engine = DualPathEncoder(encoder, max_images=config.max_images, use_graphs=config.use_graphs,
-                                 max_graph_memory_gb=config.max_graph_memory_gb,
-                                 paths=("global", "local") if self.path == "both" else (self.path,))
+                                 max_graph_memory_gb=config.max_graph_memory_gb, paths=self.role.paths)
         # Only a GPU's batch leaves the host free to make views meanwhile (on a CPU both compete
         # for the same cores, and batches would shrink to the requests whose views are done).
         self.views_on_arrival = config.views_on_arrival and encoder.device.type == "cuda"
@@ -158,95 +128,76 @@ class EncoderReplica:
                                         graphs=time.perf_counter() - loaded)
         return engine
 
-    async def encode(self, pixels: Wire | ImageHeader, view: ViewSpec | None = None) -> Wire:
-        """GlobalEncoder: a global view [3, S, S] -> its tokens [g*(g+1), D].
-        LocalEncoder: one image's crops [P, 3, 640, 640] -> their tokens [P, 100, D].
-        With `view` = (path, mode, grid), `pixels` are an image's decoded pixels [C, H, W], or
-        its bytes with their header (`ImageHeader`, decoded here first), and this replica makes
-        the views, on its device (`encoder.preprocess`).
-        Encoder (one_encoder; `view` = ("both", mode, grid)): an image -> its whole sequence
-        [num_tokens, D], assembled here (crops' grid with newlines, global view, separator)."""
+    async def encode(self, sent: Sent) -> torch.Tensor:
+        """One image, as sent (module docstring) -> what its role returns: the GlobalEncoder its
+        global view's tokens [g*(g+1), D], the LocalEncoder its crops' tokens [P, 100, D], the
+        Encoder its whole sequence [num_tokens, D] (crops' grid with newlines, global view,
+        separator)."""
         entered = time.perf_counter()
-        request = await self._arrive(pixels, view)
-        result = await self.batches.submit(request)
+        image = await self._arrive(sent)
+        result = await self.batches.submit(image)
         self.handled.append((time.perf_counter() - entered) * 1e3)
         return result
 
-    async def _arrive(self, pixels: Wire | ImageHeader, view: ViewSpec | None) -> Request:
-        """A request as it joins the batch queue: its bytes decoded, its view checked, its views
-        made (views_on_arrival)."""
-        decode_ms = 0.0
-        if isinstance(pixels, ImageHeader):
-            if view is None:
-                raise ValueError("an image's bytes need a view (path, mode, grid) to make")
+    async def _arrive(self, sent: Sent) -> QueuedImage:
+        """An image as it joins the batch queue: its bytes decoded, checked, its views made
+        (views_on_arrival)."""
+        loop, decode_ms = asyncio.get_running_loop(), 0.0
+        if isinstance(sent, ImageHeader):
             start = time.perf_counter()
-            decoded = await asyncio.get_running_loop().run_in_executor(
-                self.decode_worker, decode_header, pixels)  # ImageError: this request alone fails
-            pixels, decode_ms = to_wire(decoded.pixels), (time.perf_counter() - start) * 1e3
-        request = Request(pixels, view, decode_ms=decode_ms)
-        if view is not None:
-            check_view(self.path, pixels, view)
-            if self.views_on_arrival:
-                request.views = await asyncio.get_running_loop().run_in_executor(
-                    self.views_worker, self._views_of, pixels, view)
-        return request
+            # ImageError: this request alone fails
+            sent = await loop.run_in_executor(self.decode_worker, decode_header, sent)
+            decode_ms = (time.perf_counter() - start) * 1e3
+        self.role.check(sent)
+        image = QueuedImage(sent, decode_ms=decode_ms)
+        if self.views_on_arrival and isinstance(sent, DecodedImage):
+            image.views = await loop.run_in_executor(self.views_worker, self._views_of, sent)
+        return image
 
-    async def encode_batch(self, requests: list[Request]) -> list[Wire]:
-        return await asyncio.get_running_loop().run_in_executor(self.worker, self._run_batch, requests)
+    async def encode_batch(self, images: list[QueuedImage]) -> list[torch.Tensor]:
+        return await asyncio.get_running_loop().run_in_executor(self.worker, self._run_batch, images)
 
-    def _run_batch(self, requests: list[Request]) -> list[Wire]:
+    def _run_batch(self, images: list[QueuedImage]) -> list[torch.Tensor]:
         self.busy_since = time.monotonic()
         try:
-            return self._encode(requests)
+            return self._encode(images)
         finally:
             self.busy_since = None
 
-    def _encode(self, requests: list[Request]) -> list:
-        self.request_batches[len(requests)] += 1
+    def _encode(self, images: list[QueuedImage]) -> list[torch.Tensor]:
+        self.request_batches[len(images)] += 1
         before, start = self.engine.stats(), time.perf_counter()
         try:
-            views = [r.views or self._views_of(r.pixels, r.view) for r in requests]
+            views = [image.views or self._views_of(image.sent) for image in images]
             made = time.perf_counter()
             for v in views:
                 if v.ready is not None:  # made on the views stream: this stream waits for them
                     self.batch_stream.wait_event(v.ready)
             out = self.engine.run([v.global_view for v in views], [v.crops for v in views])
+            encoded = time.perf_counter()
+            results = to_host(self.role.results(self.engine, out, [image.sent for image in images]))
         except RuntimeError as e:
             if "CUDA" in str(e):  # a CUDA fault poisons the context: let Serve replace us
                 self.broken = f"{type(e).__name__}: {e}"
             raise
-        encoded = time.perf_counter()
         self._record((encoded - start) * 1e3, views, before, self.engine.stats())
-        if self.path == "global":
-            results = to_wire_all([o.global_tokens for o in out])
-        elif self.path == "local":
-            results = to_wire_all([o.crop_tokens for o in out])
-        else:  # each image's sequence, assembled on the device: one tensor back per image
-            encoder = self.engine.encoder
-            results = to_wire_all([assemble(o.global_tokens, o.crop_tokens, r.view[2],
-                                            encoder.image_newline, encoder.view_seperator)
-                                   for o, r in zip(out, requests)])
-        if requests:
-            self.recent.append({"decode_ms": statistics.median(r.decode_ms for r in requests),
-                                "wait_ms": statistics.median((start - r.arrived) * 1e3 for r in requests),
+        if images:
+            self.recent.append({"decode_ms": statistics.median(i.decode_ms for i in images),
+                                "wait_ms": statistics.median((start - i.arrived) * 1e3 for i in images),
                                 "views_ms": statistics.median(v.ms for v in views),
                                 "batch_views_ms": (made - start) * 1e3, "run_ms": (encoded - made) * 1e3,
                                 "results_ms": (time.perf_counter() - encoded) * 1e3})
         return results
 
-    def _views_of(self, pixels: Wire, view: ViewSpec | None) -> Views:
-        """A request's views: as sent, or made here from decoded pixels (on a GPU with the
-        exact tensor resize, on the views stream; on a CPU with PIL: `global_view_of`,
-        `crops_of`)."""
-        if view is None:
-            sent = from_wire(pixels)
-            return Views(sent, None) if self.path == "global" else Views(None, sent)
-        start, (_, mode, grid) = time.perf_counter(), view
-        stream = self.views_stream
+    def _views_of(self, sent: DecodedImage | torch.Tensor) -> DeviceViews:
+        """An image's views for this role: as sent, or made here from its decoded pixels (on a
+        GPU with the exact tensor resize, on the views stream; on a CPU with PIL:
+        `global_view_of`, `crops_of`)."""
+        if isinstance(sent, torch.Tensor):
+            return DeviceViews(*self.role.as_sent(sent))
+        start, stream = time.perf_counter(), self.views_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            decoded = from_wire(pixels).to(self.engine.encoder.device)
-            global_view = global_view_of(decoded, mode) if self.path != "local" else None
-            crops = crops_of(decoded, grid) if self.path != "global" and grid != (1, 1) else None
+            global_view, crops = self.role.views_of(sent, sent.pixels.to(self.engine.encoder.device))
             ready = None
             if stream is not None:
                 ready = torch.cuda.Event()
@@ -256,9 +207,9 @@ class EncoderReplica:
                 for t in (global_view, crops):
                     if t is not None:
                         t.record_stream(self.batch_stream)
-        return Views(global_view, crops, ready, (time.perf_counter() - start) * 1e3)
+        return DeviceViews(global_view, crops, ready, (time.perf_counter() - start) * 1e3)
 
-    def _record(self, ms: float, views: list[Views], before: dict, after: dict) -> None:
+    def _record(self, ms: float, views: list[DeviceViews], before: dict, after: dict) -> None:
         metrics = encoder_metrics()
         counts = {"global": sum(v.global_view is not None for v in views),
                   "local": sum(len(v.crops) for v in views if v.crops is not None)}
@@ -281,10 +232,10 @@ class EncoderReplica:
         once. Fails when the CUDA context faulted or one batch has run for minutes; when idle,
         now and then runs the path's real code (`PathGraphs.probe`) on the worker thread."""
         if self.broken:
-            raise RuntimeError(f"{self.path} encoder unusable after {self.broken}")
+            raise RuntimeError(f"{self.role.label} unusable after {self.broken}")
         if self.busy_since is not None:
             if time.monotonic() - self.busy_since > STUCK_AFTER_S:
-                raise RuntimeError(f"{self.path} encoder stuck: one batch running for over "
+                raise RuntimeError(f"{self.role.label} stuck: one batch running for over "
                                    f"{STUCK_AFTER_S} s")
             return  # busy: the batch itself exercises the path
         if time.monotonic() - self.probed < PROBE_EVERY_S:
@@ -314,15 +265,15 @@ class EncoderReplica:
 
     def ready(self) -> dict:
         """Answers once the constructor (weights, graph capture) has finished."""
-        return {"ready": True, "path": self.path, "graphs": sum(len(r.graphs) for r in self.runners),
+        return {"ready": True, "path": self.role.name, "graphs": sum(len(r.graphs) for r in self.runners),
                 "device": str(self.engine.encoder.device), "startup_s": self.startup_s}
 
     def stats(self) -> dict:
-        return {"path": self.path, "model": self.model_label, "replica": replica_id(),
+        return {"path": self.role.name, "model": self.model_label, "replica": replica_id(),
                 "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids(),
                 "requests_per_batch": dict(sorted(self.request_batches.items())),
                 "stages_p50_ms": self.stage_medians(),
-                **(self.engine.stats() if self.path == "both" else self.engine.stats()[self.path])}
+                **self.role.stats(self.engine.stats())}
 
 
 # max_queued_requests: past it, callers get BackPressureError at once (the router answers 503

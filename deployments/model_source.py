@@ -23,6 +23,8 @@ from decoder.tokenizer import byte_tokenizer_json
 from encoder.checkpoint import vision_shapes
 from encoder.config import EncoderArgs
 
+from .protocol import send_tensors_out_of_band
+
 TINY_LABEL = "tiny-random"  # the tiny model's id: a plain token, usable in URLs as it is
 # Beside the tiny model's id in every response (its own field, `warning`), so nobody mistakes
 # its output for OCR.
@@ -92,8 +94,10 @@ def prepare_replica_process() -> None:
     """What every replica does first: torch's threads at Ray's number, and freed multi-MB
     buffers kept for the next request (`common.allocator`: each request decodes a page, copies
     tokens to the host and serialises them, and fresh memory faults in page by page);
-    DEEPSEEK_OCR_KEEP_FREED_MEMORY=0 leaves glibc's defaults."""
+    DEEPSEEK_OCR_KEEP_FREED_MEMORY=0 leaves glibc's defaults; and the tensors it sends (views,
+    tokens, sequences) travel as raw bytes out of band (`protocol.send_tensors_out_of_band`)."""
     use_assigned_cpu_threads()
+    send_tensors_out_of_band()
     if switches.on("DEEPSEEK_OCR_KEEP_FREED_MEMORY"):
         keep_freed_memory()
 

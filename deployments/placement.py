@@ -26,11 +26,10 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
 
 from encoder import assemble
-from encoder.preprocess import ImageHeader, decode, read_header, start_preprocess
+from encoder.preprocess import decode, read_header, start_preprocess
 
 from .config import AppConfig
 from .encoders import EncoderReplica
-from .protocol import from_wire, to_wire
 
 # A replica that dies mid-call (node loss, a CUDA fault that fails its health check) is
 # replaced by Serve; encoding and a generation that has streamed nothing are idempotent, so the
@@ -73,11 +72,6 @@ def _bytes_or_pixels(image, mode: str, max_crops: int, decode_on_encoder: bool):
     return (read_header(image, mode, max_crops) if decode_on_encoder else None) or decode(image, mode, max_crops)
 
 
-def _payload(item):
-    """An ImageHeader as it is (its bytes travel), decoded pixels on the wire."""
-    return item if isinstance(item, ImageHeader) else to_wire(item.pixels)
-
-
 class PathEncoders:
     """GlobalEncoder and LocalEncoder: the image to both at once, each making its path's views;
     the sequence assembled here (crops' grid with newlines, global view, separator)."""
@@ -94,20 +88,20 @@ class PathEncoders:
         return _bytes_or_pixels(image, mode, max_crops, self.decode_on_encoder)
 
     async def encode(self, item) -> tuple[torch.Tensor, dict]:
-        start, sent = time.perf_counter(), _payload(item)
+        start = time.perf_counter()
         # One copy into the object store for both encoders (each call would make its own).
-        sent = ray.put(sent) if item.tiled else sent
-        crops = (sent, ("local", item.mode, item.grid)) if item.tiled else None
-        global_tokens, crop_tokens = await self._paths((sent, ("global", item.mode, item.grid)), crops)
+        sent = ray.put(item) if item.tiled else item
+        global_tokens, crop_tokens = await self._paths(sent, sent if item.tiled else None)
         return self._assembled(item, global_tokens, crop_tokens, start, start)
 
-    async def _paths(self, global_args: tuple, crop_args: tuple | None) -> tuple:
-        """Both paths' tokens: the global view's call at once, the crops' beside it."""
-        global_call = asyncio.ensure_future(call_with_retry(self.global_encoder.encode, *global_args))
+    async def _paths(self, to_global, to_local) -> tuple:
+        """Both paths' tokens: the global view's call at once, the crops' beside it (`to_local`
+        None: the image is not tiled)."""
+        global_call = asyncio.ensure_future(call_with_retry(self.global_encoder.encode, to_global))
         try:
-            crop_tokens = (from_wire(await call_with_retry(self.local_encoder.encode, *crop_args))
-                           if crop_args is not None else None)
-            return from_wire(await global_call), crop_tokens
+            crop_tokens = (await call_with_retry(self.local_encoder.encode, to_local)
+                           if to_local is not None else None)
+            return await global_call, crop_tokens
         finally:
             global_call.cancel()  # no-op when done; frees the call if the crops' failed
 
@@ -134,14 +128,13 @@ class RouterViews(PathEncoders):
 
     async def encode(self, pending) -> tuple[torch.Tensor, dict]:
         start = time.perf_counter()
-        global_call = asyncio.ensure_future(
-            call_with_retry(self.global_encoder.encode, to_wire(pending.global_view)))
+        global_call = asyncio.ensure_future(call_with_retry(self.global_encoder.encode, pending.global_view))
         try:
             views = await asyncio.to_thread(pending.result)
             ready = time.perf_counter()
-            crop_tokens = (from_wire(await call_with_retry(self.local_encoder.encode, to_wire(views.crops)))
+            crop_tokens = (await call_with_retry(self.local_encoder.encode, views.crops)
                            if views.tiled else None)
-            global_tokens = from_wire(await global_call)
+            global_tokens = await global_call
         finally:
             global_call.cancel()
         return self._assembled(views, global_tokens, crop_tokens, start, ready)
@@ -149,7 +142,7 @@ class RouterViews(PathEncoders):
 
 class WholeImages:
     """One encoder of both paths, which makes the views, encodes and assembles: one call per
-    image (`call(payload, view)` -> the sequence on the wire)."""
+    image (`call(image)`: its header or its decoded pixels -> its sequence)."""
 
     def __init__(self, call, tiers: dict, config: AppConfig, replica: EncoderReplica | None = None):
         self.call, self.tiers, self.replica = call, tiers, replica
@@ -158,7 +151,7 @@ class WholeImages:
     @classmethod
     def deployment(cls, encoder, config: AppConfig) -> WholeImages:
         """The Encoder deployment (one_encoder)."""
-        return cls(lambda sent, view: call_with_retry(encoder.encode, sent, view),
+        return cls(lambda image: call_with_retry(encoder.encode, image),
                    {"Encoder": remote_ready(encoder)}, config)
 
     @classmethod
@@ -175,7 +168,7 @@ class WholeImages:
 
     async def encode(self, item) -> tuple[torch.Tensor, dict]:
         start = time.perf_counter()
-        seq = from_wire(await self.call(_payload(item), ("both", item.mode, item.grid)))
+        seq = await self.call(item)
         return seq, {"preprocess_ms": 0.0, "encode_ms": (time.perf_counter() - start) * 1e3,
                      "assemble_ms": 0.0}
 
@@ -210,12 +203,11 @@ class DecoderClient:
         self.ready = remote_ready(decoder)
 
     async def generate(self, ids: list[int], seqs: list[torch.Tensor], params) -> dict:
-        return await call_with_retry(self.decoder.generate, ids, [to_wire(s) for s in seqs], params)
+        return await call_with_retry(self.decoder.generate, ids, seqs, params)
 
     async def stream(self, ids: list[int], seqs: list[torch.Tensor], params) -> AsyncIterator[dict]:
         """The generation's deltas; closed early (time limit, client gone), it is cancelled."""
-        stream = self.decoder.options(stream=True).generate_stream.remote(
-            ids, [to_wire(s) for s in seqs], params)
+        stream = self.decoder.options(stream=True).generate_stream.remote(ids, seqs, params)
         finished = False
         try:
             async for delta in stream:

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import contextvars
 import os
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import pydantic
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -236,39 +234,21 @@ def describe_error(error: dict) -> str:
 
 
 # -- tensors between deployments ----------------------------------------------------------------
-# CPU numpy arrays (pickle5 out-of-band buffers, read zero-copy from the object store on one
-# node). bf16 has no numpy dtype, so it travels as its int16 bit pattern with the dtype name.
-Wire = tuple[np.ndarray, str]
+# One format: torch tensors as their raw bytes, out of band (`send_tensors_out_of_band`, called by
+# every replica process); a tensor on a GPU is first copied to the host (`to_host`).
 
 
-def to_wire(t: torch.Tensor) -> Wire:
-    t = t.detach().to("cpu")
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy(), "bfloat16"
-    return t.numpy(), str(t.dtype).removeprefix("torch.")
-
-
-def to_wire_all(tensors: list[torch.Tensor | None]) -> list[Wire | None]:
-    """`to_wire` of each (None stays None), those on a GPU copied to the host together: into
-    pinned buffers (torch's caching host allocator reuses them once the wires are gone), queued
-    on the current stream, then one wait. One `.to("cpu")` per tensor would allocate pageable
-    memory and wait for the device once per request of a batch."""
+def to_host(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Each tensor on the host (None stays None), those on a GPU copied together: into pinned
+    buffers (torch's caching host allocator reuses them once sent), queued on the current
+    stream, then one wait. One `.to("cpu")` per tensor would allocate pageable memory and wait
+    for the device once per request of a batch."""
     on_gpu = [t for t in tensors if t is not None and t.is_cuda]
     host = {id(t): torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
             for t in on_gpu}
     for device in {t.device for t in on_gpu}:
         torch.cuda.current_stream(device).synchronize()
-    return [None if t is None else to_wire(host.get(id(t), t)) for t in tensors]
-
-
-def from_wire(w: Wire) -> torch.Tensor:
-    array, dtype = w
-    # Arrays from the object store are read-only views of shared memory: wrap them without a
-    # copy; callers only read them (torch.cat, .to(device) make new tensors).
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        t = torch.from_numpy(array)
-    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+    return [None if t is None else host.get(id(t), t) for t in tensors]
 
 
 def send_tensors_out_of_band() -> None:

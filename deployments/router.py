@@ -36,7 +36,7 @@ from .metrics import router_metrics
 from .model_source import TINY_WARNING, prepare_replica_process, replica_id, resolve_checkpoint
 from .pipeline import OcrPipeline
 from .placement import RETRYABLE, DecoderClient, encoder_strategy
-from .protocol import BadRequest, Document, Images, NotFound, OcrOptions, send_tensors_out_of_band
+from .protocol import BadRequest, Document, Images, NotFound, OcrOptions
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="DeepSeek-OCR on Ray Serve")
@@ -84,8 +84,7 @@ class Router:
         """`local_encoder` None: `global_encoder` is the one Encoder of both paths (one_encoder);
         both None (encoder_in_router): this replica runs that Encoder's class itself, on its
         GPU share. `decoder` None: an encode-only app."""
-        prepare_replica_process()
-        send_tensors_out_of_band()  # the sequences Router.encode returns
+        prepare_replica_process()  # also: the sequences Router.encode returns go out of band
         self.config = config
         directory, model_label = resolve_checkpoint(config.checkpoint)
         specials = read_tensors(directory, lambda k: k in ("model.image_newline", "model.view_seperator"))

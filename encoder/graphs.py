@@ -41,7 +41,7 @@ from common.cuda_graphs import capture_graph
 from common.triton_compile import compile_ahead
 from scheduler import Item, PathBudgets, PathPlan, PathStats, Planner, default_budgets
 
-from .model import DeepEncoder, assemble
+from .model import DeepEncoder
 from .decoding import decode
 from .resize import supported as resize_supported
 from .resize import warm_up as resize_warm_up
@@ -286,13 +286,17 @@ class DualPathEncoder:
     def encode(self, items: list[PreprocessedImage]) -> list[torch.Tensor]:
         """One [num_tokens, D] sequence per preprocessed image, in the order given."""
         outputs = self.run([it.global_view for it in items], [it.crops if it.tiled else None for it in items])
-        seqs = []
-        for item, out in zip(items, outputs):
-            seq = assemble(out.global_tokens, out.crop_tokens, item.grid, self.encoder.image_newline,
-                           self.encoder.view_seperator)
+        seqs = self.sequences(outputs, [it.grid for it in items])
+        for item, seq in zip(items, seqs):
             assert seq.shape[0] == item.num_tokens, (seq.shape, item.num_tokens)
-            seqs.append(seq)
         return seqs
+
+    def sequences(self, outputs: list[PathTokens], grids: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """Each image's [num_tokens, D] sequence from its tokens (`run`'s output) and its grid,
+        in the encoder's own layout (`sequence`: for DeepSeek-OCR the crops' token grid with
+        newlines, the global view's, the view separator)."""
+        return [self.encoder.sequence(out.global_tokens, out.crop_tokens, grid)
+                for out, grid in zip(outputs, grids)]
 
     # -- views in, tokens out -----------------------------------------------------------------
     @torch.inference_mode()

@@ -439,6 +439,11 @@ class DeepEncoder(nn.Module):
         """Local path: [P, 3, 640, 640] -> [P, 100, n_embed] (stitched per image afterwards)."""
         return self.forward_views(crops)
 
+    def sequence(self, global_tokens, crop_tokens, grid: tuple[int, int]) -> torch.Tensor:
+        """One image's sequence with this encoder's newline and separator (`assemble`); the same
+        method as DeepEncoderV2's, so a caller holding either encoder need not know which."""
+        return assemble(global_tokens, crop_tokens, grid, self.image_newline, self.view_seperator)
+
 
 def assemble(global_tokens, crop_tokens, grid: tuple[int, int], newline, separator):
     """One image's sequence: stitched local grid + newlines, then global, then separator.

@@ -89,8 +89,9 @@ def serve_app():
 
     from deployments.app import build
     from deployments.config import AppConfig
-    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True,
-             _metrics_export_port=METRICS_PORT)
+    if ray.is_initialized():  # started implicitly by an earlier module's in-process replica,
+        ray.shutdown()        # without this cluster's metrics port
+    ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=METRICS_PORT)
     serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
     yield serve.run(build(AppConfig(max_len=2048, max_images=8, max_pages=400)), name=SERVE_APP, route_prefix="/")
     serve.shutdown()

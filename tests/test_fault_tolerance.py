@@ -5,6 +5,7 @@ import asyncio
 import io
 
 import pytest
+import torch
 from PIL import Image
 
 pytest.importorskip("ray")
@@ -85,15 +86,16 @@ def test_other_errors_are_not_retried():
 
 
 def test_encoder_replica_reports_a_cuda_fault_to_its_health_check(monkeypatch):
-    import numpy as np
-
     from deployments.config import AppConfig
-    from deployments.encoders import PathEncoder, Request
+    from deployments.encoders import PathEncoder, QueuedImage
+    from encoder import DecodedImage
+    from encoder.preprocess import count_tokens
     encoder = PathEncoder.func_or_class("global", AppConfig())
     asyncio.run(encoder.check_health())  # healthy
-    view = Request((np.zeros((3, 1024, 1024), np.uint8), "uint8"))  # a global view, as sent
-    decoded = Request((np.zeros((1, 700, 500), np.uint8), "uint8"), ("global", "gundam", (1, 2)))
-    assert [r[0].shape[0] for r in encoder._run_batch([view, decoded])] == [272, 272]  # a real batch runs
+    view = QueuedImage(torch.zeros(3, 1024, 1024, dtype=torch.uint8))  # a global view, as sent
+    decoded = QueuedImage(DecodedImage(torch.zeros(1, 700, 500, dtype=torch.uint8), (1, 2),
+                                       count_tokens((1, 2)), "gundam", (500, 700)))
+    assert [r.shape[0] for r in encoder._run_batch([view, decoded])] == [272, 272]  # a real batch runs
 
     monkeypatch.setattr(encoder.engine, "run", cuda_fault)
     with pytest.raises(RuntimeError, match="illegal memory access"):
@@ -124,5 +126,5 @@ def test_router_with_the_encoder_inside_fails_its_health_check_with_the_encoder(
         with pytest.raises(RuntimeError, match="illegal memory access"):
             await router.encode(page.getvalue())
     asyncio.run(encode_then_fault())
-    with pytest.raises(RuntimeError, match="both encoder unusable after"):
+    with pytest.raises(RuntimeError, match="Encoder of both paths unusable after"):
         asyncio.run(router.check_health())

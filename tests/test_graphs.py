@@ -98,28 +98,23 @@ def deployment_engines(config):
 
 def through_deployments(replicas, items):
     """Every image's views as one batch of requests to each deployment, assembled."""
-    from deployments.encoders import Request
-    from deployments.protocol import from_wire, to_wire
+    from deployments.encoders import QueuedImage
     global_replica, local_replica = replicas
-    global_tokens = global_replica._run_batch([Request(to_wire(it.global_view)) for it in items])
+    global_tokens = global_replica._run_batch([QueuedImage(it.global_view) for it in items])
     tiled = [it for it in items if it.tiled]
-    crop_tokens = iter(local_replica._run_batch([Request(to_wire(it.crops)) for it in tiled]))
+    crop_tokens = iter(local_replica._run_batch([QueuedImage(it.crops) for it in tiled]))
     enc = global_replica.engine.encoder  # the router holds these two on CPU, as here
     newline, separator = enc.image_newline.cpu(), enc.view_seperator.cpu()
-    return [assemble(from_wire(g), from_wire(next(crop_tokens)) if it.tiled else None, it.grid,
-                     newline, separator)
+    return [assemble(g, next(crop_tokens) if it.tiled else None, it.grid, newline, separator)
             for it, g in zip(items, global_tokens)]
 
 
 def through_one_encoder(replica, images):
     """Every image's decoded pixels as one batch of requests to the one Encoder (one_encoder),
     which assembles each image's sequence."""
-    from deployments.encoders import Request
-    from deployments.protocol import from_wire, to_wire
+    from deployments.encoders import QueuedImage
     from encoder.preprocess import decode
-    decoded = [decode(im) for im in images]
-    seqs = replica._run_batch([Request(to_wire(d.pixels), ("both", d.mode, d.grid)) for d in decoded])
-    return [from_wire(seq) for seq in seqs]
+    return replica._run_batch([QueuedImage(decode(im)) for im in images])
 
 
 def test_deployments_run_the_in_process_engine_cpu():
@@ -154,18 +149,18 @@ def test_deployments_run_the_in_process_engine_cpu():
 
 @pytest.mark.gpu
 def test_encoder_results_copied_together_equal_one_copy_each_on_gpu():
-    """`to_wire_all` (an encoder's batch results: pinned buffers, one wait) gives what
-    `to_wire` gives each tensor alone: bf16 and float32, a strided view, None kept."""
-    from deployments.protocol import from_wire, to_wire, to_wire_all
+    """`to_host` (an encoder's batch results: pinned buffers, one wait) gives what `.cpu()`
+    gives each tensor alone: bf16 and float32, a strided view, None kept."""
+    from deployments.protocol import to_host
     torch.manual_seed(0)
     batch = torch.randn(5, 273, 1280, device="cuda", dtype=torch.bfloat16)
     tensors = [batch[0], None, batch[1:4], torch.randn(7, 3, device="cuda"), batch[4].t()]
-    got = to_wire_all(tensors)
+    got = to_host(tensors)
     assert got[1] is None
-    for t, wire in zip(tensors, got):
+    for t, host in zip(tensors, got):
         if t is not None:
-            want = to_wire(t)
-            assert wire[1] == want[1] and torch.equal(from_wire(wire), from_wire(want))
+            want = t.cpu()
+            assert host.device.type == "cpu" and host.dtype == want.dtype and torch.equal(host, want)
 
 
 def check_views_made_on_arrival():
@@ -175,23 +170,22 @@ def check_views_made_on_arrival():
     engine's own path, not the replica's): the same tokens, bit for bit, and the stage timings
     recorded. The replica's device: the GPU where there is one."""
     from deployments.config import AppConfig
-    from deployments.encoders import PathEncoder, Request
-    from deployments.protocol import from_wire, to_wire
+    from deployments.encoders import PathEncoder, QueuedImage
     from encoder.preprocess import decode
     images = [image(w, h, i) for i, (w, h) in enumerate(MIXED)]
     decoded = [decode(im) for im in images]
     replica = PathEncoder.func_or_class("both", AppConfig(max_images=4, one_encoder=True))
     assert replica.views_on_arrival == torch.cuda.is_available()
-    requests = [Request(to_wire(d.pixels), ("both", d.mode, d.grid)) for d in decoded]
-    in_batch = replica._run_batch(requests)
-    for r in requests:
-        r.views = replica.views_worker.submit(replica._views_of, r.pixels, r.view).result()
-        assert (r.views.ready is not None) == torch.cuda.is_available()
-    on_arrival = replica._run_batch(requests)
+    queued = [QueuedImage(d) for d in decoded]
+    in_batch = replica._run_batch(queued)
+    for q in queued:
+        q.views = replica.views_worker.submit(replica._views_of, q.sent).result()
+        assert (q.views.ready is not None) == torch.cuda.is_available()
+    on_arrival = replica._run_batch(queued)
     in_process = replica.engine.encode_images(images)
     for seq, twin, want in zip(on_arrival, in_batch, in_process):
-        assert torch.equal(from_wire(seq), from_wire(twin))
-        assert torch.equal(from_wire(seq).to(want.device), want)
+        assert torch.equal(seq, twin)
+        assert torch.equal(seq.to(want.device), want)
     stages = replica.stats()["stages_p50_ms"]
     assert stages["batches"] == 2 and stages["views_ms"] > 0 and stages["run_ms"] > 0
 
@@ -235,11 +229,9 @@ def serve_together(replica, headers) -> list:
     """The headers sent to one Encoder replica all at once: their sequences, in order."""
     import asyncio
 
-    from deployments.protocol import from_wire
-
     async def together():
-        return await asyncio.gather(*(replica.encode(h, ("both", h.mode, h.grid)) for h in headers))
-    return [from_wire(seq) for seq in asyncio.run(together())]
+        return await asyncio.gather(*(replica.encode(h) for h in headers))
+    return list(asyncio.run(together()))
 
 
 def test_an_encoder_decodes_on_as_many_threads_as_configured(monkeypatch):

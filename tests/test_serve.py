@@ -102,10 +102,9 @@ def test_concurrent_requests_batch_in_the_encoders(handle):
     assert all(r["usage"]["completion_tokens"] == 4 for r in results)
     # Calls that reach an encoder together are encoded together: 16 global views sent at once
     # (through the router, arrival depends on its preprocessing pace, so they are sent directly).
-    from deployments.protocol import to_wire
     encoder = serve.get_deployment_handle("GlobalEncoder", APP)
-    view = to_wire(torch.zeros(3, 1024, 1024, dtype=torch.uint8))
-    assert all(r.result(timeout_s=300)[0].shape[0] == 272 for r in [encoder.encode.remote(view) for _ in range(16)])
+    view = torch.zeros(3, 1024, 1024, dtype=torch.uint8)
+    assert all(r.result(timeout_s=300).shape[0] == 272 for r in [encoder.encode.remote(view) for _ in range(16)])
     stats = encoder.stats.remote().result()
     assert max(stats["requests_per_batch"]) > 1, stats
     decoder = serve.get_deployment_handle("Decoder", APP).stats.remote().result()
@@ -212,7 +211,7 @@ def test_one_encoder_app_equals_the_two_encoder_app(handle, placement):
     the same sequences and text as the default app; the Encoder batches images across requests,
     takes untiled and tiled images, refuses malformed requests alone, and /ready names it."""
     from deployments.app import build
-    from deployments.protocol import from_wire, to_wire
+    from encoder import DecodedImage
     from encoder.preprocess import count_tokens
     name = placement.replace("_", "-")
     one = serve.run(build(AppConfig(**{placement: True}, max_len=2048, max_images=8)), name=name,
@@ -250,37 +249,44 @@ def test_one_encoder_app_equals_the_two_encoder_app(handle, placement):
             assert stats["path"] == "both" and set(stats) >= {"global", "local"}
             return
         encoder = serve.get_deployment_handle("Encoder", name)
-        pixels = to_wire(torch.zeros(3, 700, 1400, dtype=torch.uint8))
-        calls = [encoder.encode.remote(pixels, ("both", "gundam", grid)) for grid in [(2, 1), (1, 1)] * 6]
+        pixels = torch.zeros(3, 700, 1400, dtype=torch.uint8)
+
+        def decoded(grid, mode="gundam"):
+            return DecodedImage(pixels, grid, count_tokens(grid), mode, (1400, 700))
+        calls = [encoder.encode.remote(decoded(grid)) for grid in [(2, 1), (1, 1)] * 6]
         for call, grid in zip(calls, [(2, 1), (1, 1)] * 6):
-            seq = from_wire(call.result(timeout_s=300))  # the image's sequence, assembled
+            seq = call.result(timeout_s=300)  # the image's sequence, assembled
             assert seq.shape[0] == count_tokens(grid)
         stats = encoder.stats.remote().result()
         assert max(stats["requests_per_batch"]) > 1, stats
         assert set(stats) >= {"global", "local"}
-        for view, message in [(("global", "gundam", (2, 1)), "'global' view sent to the Encoder of both"),
-                              (("both", "gundam", (9, 9)), "grid must be")]:
+        for sent, message in [(torch.zeros(3, 1024, 1024, dtype=torch.uint8), "makes its own views"),
+                              (decoded((9, 9)), "grid must be"), (decoded((2, 1), "base"), "grid must be")]:
             with pytest.raises(Exception, match=message):
-                encoder.encode.remote(pixels, view).result(timeout_s=60)
+                encoder.encode.remote(sent).result(timeout_s=60)
     finally:
         serve.delete(name)
 
 
 def test_encoders_refuse_bad_decoded_requests_alone(handle):
-    """A malformed request of decoded pixels fails by itself, named, before it joins a batch."""
-    from deployments.protocol import to_wire
+    """A malformed request fails by itself, named, before it joins a batch."""
+    from encoder import DecodedImage
+    from encoder.preprocess import count_tokens
     local = serve.get_deployment_handle("LocalEncoder", APP)
-    pixels = to_wire(torch.zeros(1, 700, 1400, dtype=torch.uint8))
-    for view, message in [(("global", "gundam", (2, 1)), "'global' view sent to the local"),
-                          (("local", "huge", (2, 1)), "unknown mode"),
-                          (("local", "gundam", (1, 1)), "grid must be")]:
+    pixels = torch.zeros(1, 700, 1400, dtype=torch.uint8)
+
+    def decoded(grid=(2, 1), mode="gundam", tokens=None, sent=pixels):
+        return DecodedImage(sent, grid, tokens or count_tokens(grid), mode, (1400, 700))
+    for sent, message in [(torch.zeros(3, 1024, 1024, dtype=torch.uint8), r"views must be uint8 \[P, 3, 640, 640\]"),
+                          (decoded(mode="huge"), "unknown mode"),
+                          (decoded((1, 1)), "not tiled"),
+                          (decoded((2, 1), tokens=5), "does not match grid"),
+                          (decoded(sent=torch.zeros(2, 64, 64, dtype=torch.uint8)), "decoded pixels must be"),
+                          ("page.png", "takes an ImageHeader, a DecodedImage or views")]:
         with pytest.raises(Exception, match=message):
-            local.encode.remote(pixels, view).result(timeout_s=60)
-    with pytest.raises(Exception, match="decoded pixels must be"):
-        local.encode.remote(to_wire(torch.zeros(2, 64, 64, dtype=torch.uint8)),
-                            ("local", "gundam", (2, 1))).result(timeout_s=60)
-    tokens = local.encode.remote(pixels, ("local", "gundam", (2, 1))).result(timeout_s=300)
-    assert tokens[0].shape[:2] == (2, 100)
+            local.encode.remote(sent).result(timeout_s=60)
+    tokens = local.encode.remote(decoded()).result(timeout_s=300)
+    assert tokens.shape[:2] == (2, 100)
 
 
 @pytest.mark.slow
