@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompt preset: markdown (the server's default), ocr, free, figure, describe")
     run.add_argument("--format", type=_formats, default=frozenset(FORMATS), metavar="LIST",
                      help="outputs to write, of md,json,raw (default all three)")
+    run.add_argument("--model", metavar="NAME",
+                     help="which of the server's models (GET /v1/models; default: its first)")
     run.add_argument("--max-tokens", type=_positive(int), metavar="N",
                      help="token limit per page (default: the server's)")
     run.add_argument("--force", action="store_true", help="redo documents recorded done")
@@ -81,9 +83,12 @@ def run_command(args: argparse.Namespace) -> int:
     inputs = find_inputs(args.inputs, args.out)
     stop = threading.Event()
     client = Client(args.server, args.api_key, args.timeout, args.retries, stop=stop)
-    client.check_health()
+    served = client.check_health().get("models")
+    if args.model and served is not None and args.model not in served:
+        raise UsageError(f"server {args.server} does not serve the model {args.model!r}; it "
+                         f"serves {', '.join(served)}")
     options = RunOptions(args.page_range, args.dpi, args.preset, args.max_tokens,
-                         args.format, args.force, timeout_s=args.timeout)
+                         args.format, args.force, timeout_s=args.timeout, model=args.model)
     manifest = Manifest(args.out)
     try:
         progress = run_corpus(inputs, client, manifest, options, args.out, args.concurrency)

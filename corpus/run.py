@@ -44,11 +44,13 @@ class RunOptions:
     # How long the server may work on one document (its own default, 600 s, would cut a long PDF
     # short with a 408 while this client still waits); the server's limit is 3,600.
     timeout_s: float | None = None
+    model: str | None = None  # of the server's models (GET /v1/models); none: its default
 
     def keyed(self) -> dict:
-        """The options that change the server's answer (the manifest key hashes them)."""
+        """The options that change the server's answer (the manifest key hashes them; a model
+        only when named, so manifests written before models could be named keep their keys)."""
         return {"page_range": self.page_range, "dpi": self.dpi, "preset": self.preset,
-                "max_tokens": self.max_tokens}
+                "max_tokens": self.max_tokens, **({"model": self.model} if self.model else {})}
 
 
 @dataclass
@@ -153,6 +155,8 @@ def request_body(job: Job, data: bytes, options: RunOptions) -> dict:
         body = {"image": encoded}
     if options.preset:
         body["prompt_preset"] = options.preset
+    if options.model:
+        body["model"] = options.model
     body["output_format"] = "blocks"
     body["return_crops"] = True
     if options.max_tokens is not None:

@@ -25,28 +25,38 @@ from . import PRELOAD_MODULES
 if not ray.is_initialized():
     os.environ.setdefault("RAY_preload_python_modules", PRELOAD_MODULES)
 
-from .config import AppConfig
+from .config import AppConfig, ServedModel
 from .decoder_server import DecoderServer
 from .encoders import PathEncoder
+from .placement import ModelTiers
 from .router import Router
 
 
 def build(config: AppConfig) -> Application:
-    if config.checkpoint and not os.path.isfile(os.path.join(config.checkpoint, "config.json")):
-        # Checked here, where the app is built, so `serve run` stops with this message instead of
-        # every replica failing its constructor over and over.
-        raise FileNotFoundError(f"checkpoint {config.checkpoint!r} has no config.json: give the "
-                                f"local directory of DeepSeek-OCR's released files (config.json, "
-                                f"model*.safetensors, tokenizer.json)")
+    for model in config.served_models():
+        checkpoint = model.config.checkpoint
+        if checkpoint and not os.path.isfile(os.path.join(checkpoint, "config.json")):
+            # Checked here, where the app is built, so `serve run` stops with this message
+            # instead of every replica failing its constructor over and over.
+            raise FileNotFoundError(f"checkpoint {checkpoint!r} has no config.json: give the "
+                                    f"local directory of DeepSeek-OCR's released files (config.json, "
+                                    f"model*.safetensors, tokenizer.json)")
+    return Router.bind([_tiers(model) for model in config.served_models()], config)
+
+
+def _tiers(model: ServedModel) -> ModelTiers:
+    """One model's deployments, named for it when the app serves several (`Decoder-<name>`)."""
+    config = model.config
     if config.encoder_in_router:  # both paths in the Router's own process: no encoder deployment
         encoders = [None, None]
     elif config.one_encoder:  # both paths in one deployment; the Router calls it for both
-        encoders = [PathEncoder.options(name="Encoder").bind("both", config), None]
+        encoders = [PathEncoder.options(name=model.tier_name("Encoder")).bind("both", config), None]
     else:
-        encoders = [PathEncoder.options(name=f"{path.capitalize()}Encoder").bind(path, config)
+        encoders = [PathEncoder.options(name=model.tier_name(f"{path.capitalize()}Encoder")).bind(path, config)
                     for path in ("global", "local")]
-    decoder = None if config.encode_only else DecoderServer.options(name="Decoder").bind(config)
-    return Router.bind(*encoders, decoder, config)
+    decoder = (None if config.encode_only else
+               DecoderServer.options(name=model.tier_name("Decoder")).bind(config))
+    return ModelTiers(model, *encoders, decoder)
 
 
 app = build(AppConfig())  # `serve run deployments.app:app`: the tiny random model, on CPU

@@ -7,7 +7,10 @@ they live in the Serve config YAMLs.
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import re
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 # A replica whose batch or decode step has run this long fails its health check and is replaced:
 # a batch of 32 pages takes under a second on a GPU, and a decode step milliseconds.
@@ -20,6 +23,8 @@ PROBE_EVERY_S = 60
 # on `serve run` ends the app within seconds even while a page is generating (the Router goes
 # first, then the tiers it calls); the GPU configs give rolling updates time to finish pages.
 SHUTDOWN = {"graceful_shutdown_timeout_s": 2.0, "graceful_shutdown_wait_loop_s": 0.5}
+# A served model's name: its id in requests, URLs and deployment names (`Decoder-<name>`).
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class AppConfig(BaseModel):
@@ -108,6 +113,21 @@ class AppConfig(BaseModel):
         None, gt=0, le=1, description="LocalEncoder's cap of its GPU's memory (shared GPUs)")
     gpu_memory_fraction_decoder: float | None = Field(
         None, gt=0, le=1, description="Decoder's cap of its GPU's memory (shared GPUs)")
+    models: list[dict] | None = Field(
+        None, description="several models behind one address: each entry a `name` and the "
+        "arguments of this table that are the model's own (`checkpoint`, placement, batch and "
+        "memory settings; MODEL_ARGUMENTS), the rest taken from the app's; each model gets its own "
+        "tiers (`GlobalEncoder-<name>`...), requests choose by `model` (default: the first)")
+
+    def served_models(self) -> list[ServedModel]:
+        """Each served model with its own config: one per `models` entry (its name its
+        `served_model_name`), or this config alone."""
+        if not self.models:
+            return [ServedModel(self, several=False)]
+        shared = self.model_dump(exclude={"models"})
+        return [ServedModel(AppConfig(**{**shared, **{k: v for k, v in entry.items() if k != "name"},
+                                         "served_model_name": entry["name"]}), several=True)
+                for entry in self.models]
 
     def gpu_memory_fraction(self, deployment: str) -> float | None:
         """The cap of "global", "local", "decoder", or "both" (one_encoder: the two encoders'
@@ -118,9 +138,68 @@ class AppConfig(BaseModel):
         return getattr(self, f"gpu_memory_fraction_{deployment}")
 
     @model_validator(mode="after")
+    def _models_name_their_own_arguments(self):
+        if self.models is None:
+            return self
+        if not self.models:
+            raise ValueError("models: give at least one model, or leave it out")
+        names = []
+        for i, entry in enumerate(self.models):
+            name = entry.get("name")
+            if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
+                raise ValueError(f"models[{i}].name must be a name of letters, digits, '.', '_' "
+                                 f"or '-' (at most 64), got {name!r}")
+            if name in names:
+                raise ValueError(f"models[{i}].name {name!r} is given twice")
+            names.append(name)
+            foreign = sorted(set(entry) - MODEL_ARGUMENTS - {"name"})
+            if foreign:
+                raise ValueError(f"models[{i}] ({name}): {', '.join(foreign)} "
+                                 f"{'is not an argument' if len(foreign) == 1 else 'are not arguments'} "
+                                 f"a model sets; a model sets {', '.join(sorted(MODEL_ARGUMENTS))}")
+        if self.served_model_name is not None:
+            raise ValueError("served_model_name names the one model; with models, each entry's "
+                             "name is its id")
+        for i, entry in enumerate(self.models):  # each model's arguments, checked now
+            try:
+                AppConfig(**{**self.model_dump(exclude={"models"}),
+                             **{k: v for k, v in entry.items() if k != "name"}})
+            except ValidationError as e:
+                reasons = "; ".join(f"{'.'.join(map(str, error['loc'])) or 'value'}: "
+                                    f"{error['msg'].removeprefix('Value error, ')}" for error in e.errors())
+                raise ValueError(f"models[{i}] ({entry['name']}): {reasons}") from None
+        return self
+
+    @model_validator(mode="after")
     def _one_engine_makes_the_views(self):
         for name in ("one_encoder", "encoder_in_router"):
             if getattr(self, name) and not self.views_on_encoder:
                 raise ValueError(f"{name} needs views_on_encoder: one engine makes both paths' "
                                  f"views from the decoded image")
         return self
+
+
+# What a `models` entry may set: the arguments that belong to one model's tiers. The rest (keys,
+# limits, admission, fetching) are the app's, shared by every model.
+MODEL_ARGUMENTS = frozenset({
+    "checkpoint", "encode_only", "use_graphs", "max_images", "max_graph_memory_gb", "max_batch",
+    "kv_cache_gb", "max_len", "one_encoder", "encoder_in_router", "views_on_encoder",
+    "decode_on_encoder", "views_on_arrival", "encoder_decode_threads", "encoder_cache_mb",
+    "gpu_memory_fraction_global", "gpu_memory_fraction_local", "gpu_memory_fraction_decoder"})
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model the app serves, with its own config; `several`: one of several models, whose
+    tiers' deployment names carry its name."""
+
+    config: AppConfig
+    several: bool
+
+    @property
+    def name(self) -> str | None:
+        return self.config.served_model_name
+
+    def tier_name(self, tier: str) -> str:
+        """`Decoder` for the one model, `Decoder-<name>` for one of several."""
+        return f"{tier}-{self.name}" if self.several else tier

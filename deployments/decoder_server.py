@@ -36,6 +36,7 @@ class DecoderServer:
         cuda = start_cuda(config.gpu_memory_fraction("decoder"))
         device, dtype = device_and_dtype()
         directory, self.model_label = resolve_checkpoint(config.checkpoint)
+        self.model_name = config.served_model_name or self.model_label  # its metrics' `model`
         start, reads = time.perf_counter(), {}
         model = load_decoder(directory, device=device, dtype=dtype, timings=reads)
         weights = time.perf_counter() - start
@@ -123,7 +124,7 @@ class DecoderServer:
         """Queue, prefill, time to first token and time per output token of a finished request
         into the metrics; returns its stages in ms: waiting for admission (`decoder_queue_ms`),
         prefill to first token (`prefill_ms`), first token to the last (`generate_ms`)."""
-        metrics = decoder_metrics()
+        metrics = decoder_metrics(self.model_name)
         if first is None:  # finished without a token (aborted)
             return {}
         stages = {"generate_ms": (done - first) * 1e3}
@@ -140,7 +141,7 @@ class DecoderServer:
     def _record_load(self) -> None:
         """Running / waiting sequences and KV-cache use, read from the engine (its thread owns
         them; a slightly stale reading is fine for a gauge)."""
-        engine, metrics = self.engine.engine, decoder_metrics()
+        engine, metrics = self.engine.engine, decoder_metrics(self.model_name)
         metrics["running"].set(len(engine.running))
         metrics["waiting"].set(len(engine.waiting))
         metrics["preempted"].set(len(engine.preempted))

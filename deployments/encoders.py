@@ -112,6 +112,7 @@ class EncoderReplica:
     def _load(self, config: AppConfig, constructor_start: float, cuda: float) -> DualPathEncoder:
         device, dtype = device_and_dtype()
         directory, self.model_label = resolve_checkpoint(config.checkpoint)
+        self.model_name = config.served_model_name or self.model_label  # its metrics' `model`
         start, reads = time.perf_counter(), {}
         encoder = load_encoder(directory, device=device, dtype=dtype, timings=reads)
         loaded = time.perf_counter()
@@ -210,7 +211,7 @@ class EncoderReplica:
         return DeviceViews(global_view, crops, ready, (time.perf_counter() - start) * 1e3)
 
     def _record(self, ms: float, views: list[DeviceViews], before: dict, after: dict) -> None:
-        metrics = encoder_metrics()
+        metrics = encoder_metrics(self.model_name)
         counts = {"global": sum(v.global_view is not None for v in views),
                   "local": sum(len(v.crops) for v in views if v.crops is not None)}
         for path, count in counts.items():

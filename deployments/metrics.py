@@ -2,7 +2,9 @@
 
 Serve adds the `deployment`, `replica` and `application` tags and exports every series on Ray's
 metrics port as `ray_<name>` (counters with a `_total` suffix), beside Serve's own request,
-latency and queue series. Each deployment creates the metrics it records, once per process.
+latency and queue series. Each deployment creates the metrics it records, once per process;
+the series of a model's work carry its name (`model`): the router's stages, tokens and finish
+reasons, and every encoder and decoder series (a replica serves one model).
 """
 from __future__ import annotations
 
@@ -33,44 +35,55 @@ def router_metrics() -> dict:
                              boundaries=MS_BUCKETS, tag_keys=("endpoint",)),
         "stage": Histogram("ocr_stage_latency_ms", "router stages: preprocess (until the crops are "
                            "ready), encode (both paths answered), assemble, decode",
-                           boundaries=MS_BUCKETS, tag_keys=("stage",)),
+                           boundaries=MS_BUCKETS, tag_keys=("stage", "model")),
         "tokens": Counter("ocr_tokens", "tokens by kind: image, prompt, completion",
-                          tag_keys=("kind",)),
+                          tag_keys=("kind", "model")),
         "finish": Counter("ocr_finish_reasons", "finished generations by reason (eos, stop, length: "
-                          "a page that ran to max_tokens)", tag_keys=("reason",)),
+                          "a page that ran to max_tokens)", tag_keys=("reason", "model")),
     }
 
 
+def _of_model(metrics: dict, model: str) -> dict:
+    for metric in metrics.values():
+        metric.set_default_tags({"model": model})
+    return metrics
+
+
 @cache
-def encoder_metrics() -> dict:
-    return {
+def encoder_metrics(model: str) -> dict:
+    """An encoder replica's series, tagged with the model it serves."""
+    return _of_model({
         "batch_views": Histogram("ocr_encoder_batch_views", "views per executed batch, by path",
-                                 boundaries=VIEW_BUCKETS, tag_keys=("path",)),
+                                 boundaries=VIEW_BUCKETS, tag_keys=("path", "model")),
         "batch_ms": Histogram("ocr_encoder_batch_ms", "encode time of one request batch, by path",
-                              boundaries=MS_BUCKETS, tag_keys=("path",)),
+                              boundaries=MS_BUCKETS, tag_keys=("path", "model")),
         "graph_batches": Counter("ocr_encoder_graph_batches", "planned batches by path and result "
                                  "(hit: a captured graph replayed; miss: ran eagerly)",
-                                 tag_keys=("path", "result")),
+                                 tag_keys=("path", "result", "model")),
         "tokens": Counter("ocr_encoder_tokens", "tokens computed by path and kind (real, padded: "
-                          "padding fraction = padded / (real + padded))", tag_keys=("path", "kind")),
-    }
+                          "padding fraction = padded / (real + padded))",
+                          tag_keys=("path", "kind", "model")),
+    }, model)
 
 
 @cache
-def decoder_metrics() -> dict:
-    return {
-        "running": Gauge("ocr_decoder_running", "sequences being decoded"),
-        "waiting": Gauge("ocr_decoder_waiting", "requests waiting for a slot"),
-        "preempted": Gauge("ocr_decoder_preempted",
-                           "sequences preempted (KV-cache pages ran out), waiting to resume"),
+def decoder_metrics(model: str) -> dict:
+    """The decoder replica's series, tagged with the model it serves."""
+    model_tag = ("model",)
+    return _of_model({
+        "running": Gauge("ocr_decoder_running", "sequences being decoded", tag_keys=model_tag),
+        "waiting": Gauge("ocr_decoder_waiting", "requests waiting for a slot", tag_keys=model_tag),
+        "preempted": Gauge("ocr_decoder_preempted", "sequences preempted (KV-cache pages ran "
+                           "out), waiting to resume", tag_keys=model_tag),
         "kv_cache_usage": Gauge("ocr_decoder_kv_cache_usage",
-                                "fraction of the KV cache's pages in use"),
+                                "fraction of the KV cache's pages in use", tag_keys=model_tag),
         "queue_ms": Histogram("ocr_decoder_queue_ms", "from arrival to the start of its prefill",
-                              boundaries=MS_BUCKETS),
+                              boundaries=MS_BUCKETS, tag_keys=model_tag),
         "prefill_ms": Histogram("ocr_decoder_prefill_ms", "from the start of its prefill to its "
-                                "first token", boundaries=MS_BUCKETS),
+                                "first token", boundaries=MS_BUCKETS, tag_keys=model_tag),
         "ttft_ms": Histogram("ocr_decoder_time_to_first_token_ms", "from arrival to the first "
-                             "token (queue + prefill)", boundaries=MS_BUCKETS),
+                             "token (queue + prefill)", boundaries=MS_BUCKETS, tag_keys=model_tag),
         "tpot_ms": Histogram("ocr_decoder_time_per_output_token_ms", "decode time per token after "
-                             "the first", boundaries=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]),
-    }
+                             "the first", boundaries=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000],
+                             tag_keys=model_tag),
+    }, model)

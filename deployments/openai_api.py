@@ -162,7 +162,7 @@ class ChatRequest(_Strict):
                    "skip_special_tokens": self.skip_special_tokens, "mode": self.mode,
                    "max_crops": self.max_crops, "prompt_preset": self.prompt_preset, "ref": self.ref,
                    "output_format": self.output_format, "return_crops": self.return_crops,
-                   "timeout_s": self.timeout_s}
+                   "timeout_s": self.timeout_s, "model": self.model}
         if self.vllm_xargs is not None:
             x = self.vllm_xargs
             options["ngram"] = {"enabled": False} if not x.ngram_size else {

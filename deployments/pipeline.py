@@ -75,6 +75,7 @@ class OcrPipeline:
         model (its id, and the tiny random model's warning)."""
         self.encoder, self.decoder, self.tokenizer, self.max_len = encoder, decoder, tokenizer, max_len
         self.config, self.model_fields = config, model_fields
+        self.model_tag = {"model": model_fields["model"]}  # on its metrics
         self.cache = EncodedCache(config.encoder_cache_mb << 20) if config.encoder_cache_mb else None
         self.recent: deque[dict] = deque(maxlen=1000)  # per-request stage timings
 
@@ -245,14 +246,14 @@ class OcrPipeline:
                    "encoding_ms": (time.perf_counter() - start) * 1e3}
         self.recent.append(timings)
         for stage in ("preprocess", "encode", "assemble"):
-            router_metrics()["stage"].observe(timings[f"{stage}_ms"], tags={"stage": stage})
+            router_metrics()["stage"].observe(timings[f"{stage}_ms"], tags={"stage": stage, **self.model_tag})
         return seqs, timings
 
     def _record_generation(self, result: dict, seqs, decode_ms: float) -> None:
         metrics = router_metrics()
-        metrics["stage"].observe(decode_ms, tags={"stage": "decode"})
-        metrics["finish"].inc(tags={"reason": result["finish_reason"] or "unknown"})
+        metrics["stage"].observe(decode_ms, tags={"stage": "decode", **self.model_tag})
+        metrics["finish"].inc(tags={"reason": result["finish_reason"] or "unknown", **self.model_tag})
         for kind, count in (("image", sum(s.shape[0] for s in seqs)),
                             ("prompt", result["prompt_tokens"]),
                             ("completion", result["completion_tokens"])):
-            metrics["tokens"].inc(count, tags={"kind": kind})
+            metrics["tokens"].inc(count, tags={"kind": kind, **self.model_tag})

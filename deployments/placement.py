@@ -12,24 +12,30 @@ router or the pipeline asks where the encoder is.
   deployment (one_encoder) or that Encoder's class in the router's process (encoder_in_router).
 
 The decoder's client is here too (`DecoderClient`): the Ray calls the pipeline makes, retried
-on replica loss and cancelled with their caller.
+on replica loss and cancelled with their caller; and `model_pipeline`, one served model's
+pipeline from its tiers (`ModelTiers`).
 """
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import ray
 import torch
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
 
+from common.checkpoint import read_config, read_tensors
+from decoder import DecoderArgs, load_tokenizer
 from encoder import assemble
 from encoder.preprocess import decode, read_header, start_preprocess
 
-from .config import AppConfig
+from .config import AppConfig, ServedModel
 from .encoders import EncoderReplica
+from .model_source import TINY_WARNING, resolve_checkpoint
+from .pipeline import OcrPipeline
 
 # A replica that dies mid-call (node loss, a CUDA fault that fails its health check) is
 # replaced by Serve; encoding and a generation that has streamed nothing are idempotent, so the
@@ -216,3 +222,36 @@ class DecoderClient:
         finally:
             if not finished:
                 stream.cancel()
+
+
+@dataclass
+class ModelTiers:
+    """One served model's deployments, as the app was built: its handles (None where its
+    placement has no such deployment) and its config."""
+
+    model: ServedModel
+    global_encoder: object | None
+    local_encoder: object | None
+    decoder: object | None
+
+
+def model_pipeline(tiers: ModelTiers) -> OcrPipeline:
+    """The pipeline of one served model: its encoder strategy (from the handles it was built
+    with), its decoder client, tokenizer and context, and what every answer says of it."""
+    config = tiers.model.config
+    directory, model_label = resolve_checkpoint(config.checkpoint)
+    specials = read_tensors(directory, lambda k: k in ("model.image_newline", "model.view_seperator"))
+    encoder = encoder_strategy(tiers.global_encoder, tiers.local_encoder, specials["model.image_newline"],
+                               specials["model.view_seperator"], config)
+    decoder = tiers.decoder
+    # Encode-only apps need no tokenizer (and their checkpoints may carry none), and have no
+    # context to bound prompts (an encoder-only checkpoint has no language config).
+    tokenizer = load_tokenizer(directory if config.checkpoint else None) if decoder else None
+    max_len = (config.max_len or DecoderArgs.from_config(read_config(directory)).max_positions
+               if decoder else None)
+    # In every answer: the model's id (what clients call it), and the tiny random model's
+    # warning in its own field.
+    model_fields = {"model": config.served_model_name or model_label,
+                    **({} if config.checkpoint else {"warning": TINY_WARNING})}
+    return OcrPipeline(encoder, DecoderClient(decoder) if decoder else None, tokenizer, max_len,
+                       config, model_fields)

@@ -128,6 +128,7 @@ class OcrOptions(BaseModel):
     dpi: int = Field(DEFAULT_DPI, ge=MIN_DPI, le=MAX_DPI)  # documents: page rendering
     stream: bool = False
     timeout_s: float | None = Field(None, gt=0, le=3600)  # default: the app's request_timeout_s
+    model: str | None = None  # which served model (GET /v1/models); default: the app's first
 
     @pydantic.model_validator(mode="after")
     def _check(self):

@@ -20,22 +20,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
-from common.checkpoint import read_config, read_tensors
-from decoder import DecoderArgs, load_tokenizer
 from documents import DocumentError
 from encoder import ImageError
 
 from . import openai_api
 from . import protocol  # protocol.REQUEST_ARRIVED: a module pickles by name, a ContextVar not at all
-from .config import SHUTDOWN, AppConfig
+from .config import SHUTDOWN, AppConfig, ServedModel
 from .http_io import bad_request, error_body, event_stream, overloaded, read_json, read_ocr_body
 from .metrics import router_metrics
-from .model_source import TINY_WARNING, prepare_replica_process, replica_id, resolve_checkpoint
+from .model_source import prepare_replica_process, replica_id
 from .pipeline import OcrPipeline
-from .placement import RETRYABLE, DecoderClient, encoder_strategy
+from .placement import RETRYABLE, ModelTiers, model_pipeline
 from .protocol import BadRequest, Document, Images, NotFound, OcrOptions
 
 log = logging.getLogger("ray.serve")
@@ -79,36 +76,36 @@ def _handle_source(image, document) -> Images | Document:
 @serve.deployment(max_ongoing_requests=200, ray_actor_options={"num_cpus": 0.25}, **SHUTDOWN)
 @serve.ingress(api)
 class Router:
-    def __init__(self, global_encoder: DeploymentHandle | None, local_encoder: DeploymentHandle | None,
-                 decoder: DeploymentHandle | None, config: AppConfig):
-        """`local_encoder` None: `global_encoder` is the one Encoder of both paths (one_encoder);
-        both None (encoder_in_router): this replica runs that Encoder's class itself, on its
-        GPU share. `decoder` None: an encode-only app."""
+    def __init__(self, models: list[ModelTiers], config: AppConfig):
+        """`models`: each served model's tiers as the app was built (`ModelTiers`: handles,
+        None where its placement has none: one Encoder of both paths, or none with the encoder
+        in this replica's process; no decoder: encode-only). The first is the default."""
         prepare_replica_process()  # also: the sequences Router.encode returns go out of band
         self.config = config
-        directory, model_label = resolve_checkpoint(config.checkpoint)
-        specials = read_tensors(directory, lambda k: k in ("model.image_newline", "model.view_seperator"))
-        encoder = encoder_strategy(global_encoder, local_encoder, specials["model.image_newline"],
-                                   specials["model.view_seperator"], config)
-        # Encode-only apps need no tokenizer (and their checkpoints may carry none), and have no
-        # context to bound prompts (an encoder-only checkpoint has no language config).
-        tokenizer = load_tokenizer(directory if config.checkpoint else None) if decoder else None
-        max_len = (config.max_len or DecoderArgs.from_config(read_config(directory)).max_positions
-                   if decoder else None)
-        self.model_id = config.served_model_name or model_label  # what clients call it
-        # In every answer: the model's id, and the tiny random model's warning in its own field.
-        model_fields = {"model": self.model_id, **({} if config.checkpoint else {"warning": TINY_WARNING})}
-        self.pipeline = OcrPipeline(encoder, DecoderClient(decoder) if decoder else None, tokenizer,
-                                    max_len, config, model_fields)
+        self.served: dict[str, tuple[ServedModel, OcrPipeline]] = {}
+        for tiers in models:
+            pipeline = model_pipeline(tiers)
+            self.served[pipeline.model_fields["model"]] = (tiers.model, pipeline)
+        self.default_model = next(iter(self.served))
         self.inflight = 0  # HTTP requests being worked on (admission control)
         self.started = int(time.time())
 
+    def _pipeline(self, model: str | None) -> OcrPipeline:
+        """The pipeline of the model a request names (none: the default); 404 for another."""
+        model = self.default_model if model is None else model
+        if model not in self.served:
+            raise NotFound(f"the model {model!r} is not served here; it serves "
+                           f"{', '.join(map(repr, self.served))} (GET /v1/models)", "model",
+                           "model_not_found")
+        return self.served[model][1]
+
     # -- Python handle API ------------------------------------------------------------------
-    async def encode(self, image, mode: str = "gundam", max_crops: int = 6) -> list[torch.Tensor]:
+    async def encode(self, image, mode: str = "gundam", max_crops: int = 6,
+                     model: str | None = None) -> list[torch.Tensor]:
         """One [num_tokens, D] sequence per image (a single image or a list)."""
         entered = time.perf_counter()
-        options = OcrOptions.parse({"mode": mode, "max_crops": max_crops})
-        seqs, timings = await self.pipeline.encode(_handle_source(image, None), options)
+        options = OcrOptions.parse({"mode": mode, "max_crops": max_crops, "model": model})
+        seqs, timings = await self._pipeline(model).encode(_handle_source(image, None), options)
         timings["handler_ms"] = (time.perf_counter() - entered) * 1e3  # kept in the pipeline's recent
         return seqs
 
@@ -116,19 +113,19 @@ class Router:
         """OCR one image (or a list): {text, finish_reason, usage, model, timings}; or a PDF
         `document` (bytes or a path): {pages, text, usage, failed_pages, model}."""
         options = OcrOptions.parse({**options, "prompt": prompt})
-        source = _handle_source(image, document)
+        source, pipeline = _handle_source(image, document), self._pipeline(options.model)
         if isinstance(source, Document):
-            return await self.pipeline.document(source, options)
-        return await self.pipeline.ocr(source, options)
+            return await pipeline.document(source, options)
+        return await pipeline.ocr(source, options)
 
     async def ocr_stream(self, image=None, prompt: str | None = None, *, document=None,
                          **options) -> AsyncIterator[dict]:
         """Like ocr, but yields text deltas as they are generated (handle.options(stream=True));
         for a `document`, one page dict per finished page, in page order."""
         options = OcrOptions.parse({**options, "prompt": prompt})
-        source = _handle_source(image, document)
-        stream = await (self.pipeline.document_pages(source, options) if isinstance(source, Document)
-                        else self.pipeline.ocr_stream(source, options))
+        source, pipeline = _handle_source(image, document), self._pipeline(options.model)
+        stream = await (pipeline.document_pages(source, options) if isinstance(source, Document)
+                        else pipeline.ocr_stream(source, options))
         async with aclosing(stream):
             async for item in stream:
                 yield item
@@ -136,41 +133,47 @@ class Router:
     async def chat(self, messages: list[dict], **options) -> dict:
         """A chat completion, as `POST /v1/chat/completions` answers it (images as data: URLs)."""
         source, ocr_options, _ = await self._read_chat({"messages": messages, **options})
-        return await openai_api.answer(self.pipeline, source, ocr_options)
+        return await openai_api.answer(self._pipeline(ocr_options.model), source, ocr_options)
 
     async def chat_stream(self, messages: list[dict], **options) -> AsyncIterator[dict]:
         """The chat completion's chunks (handle.options(stream=True)), the usage chunk last."""
         source, ocr_options, _ = await self._read_chat({"messages": messages, **options, "stream": True})
-        deltas = await openai_api.deltas(self.pipeline, source, ocr_options)
+        pipeline = self._pipeline(ocr_options.model)
+        deltas = await openai_api.deltas(pipeline, source, ocr_options)
         async with aclosing(deltas):
-            async for event in openai_api.chunks(deltas, self.pipeline.model_fields, include_usage=True):
+            async for event in openai_api.chunks(deltas, pipeline.model_fields, include_usage=True):
                 yield event
 
-    def stats(self) -> dict:
-        """This replica's; with encoder_in_router its encoder's stats under `encoder`."""
-        cache = self.pipeline.cache
-        return {"model": self.model_id, "replica": replica_id(), "pid": os.getpid(),
-                "requests": len(self.pipeline.recent), **_memory_mb(),
-                "encoder_cache": cache.stats() if cache else None, **self.pipeline.encoder.stats()}
+    def stats(self, model: str | None = None) -> dict:
+        """This replica's, for one model (none: the default); with encoder_in_router its
+        encoder's stats under `encoder`."""
+        pipeline = self._pipeline(model)
+        cache = pipeline.cache
+        return {"model": pipeline.model_fields["model"], "models": list(self.served),
+                "replica": replica_id(), "pid": os.getpid(), "requests": len(pipeline.recent),
+                **_memory_mb(), "encoder_cache": cache.stats() if cache else None,
+                **pipeline.encoder.stats()}
 
     async def check_health(self):
-        await self.pipeline.encoder.check_health()
+        for _, pipeline in self.served.values():
+            await pipeline.encoder.check_health()
 
-    def timings(self) -> dict:
-        return self.pipeline.timings()
+    def timings(self, model: str | None = None) -> dict:
+        return self._pipeline(model).timings()
 
     # -- HTTP -----------------------------------------------------------------------------------
     @api.post("/v1/ocr")
     async def http_ocr(self, request: Request):
         async def work(source, options: OcrOptions):
+            pipeline = self._pipeline(options.model)
             if isinstance(source, Document):
                 if not options.stream:
-                    return await self.pipeline.document(source, options)
-                entries = await self.pipeline.document_pages(source, options)
+                    return await pipeline.document(source, options)
+                entries = await pipeline.document_pages(source, options)
                 return self._event_stream(entries, entries, options)
             if not options.stream:
-                return await self.pipeline.ocr(source, options)
-            deltas = await self.pipeline.ocr_stream(source, options)
+                return await pipeline.ocr(source, options)
+            deltas = await pipeline.ocr_stream(source, options)
             return self._event_stream(deltas, deltas, options)
         return await self._guard(request, work)
 
@@ -180,18 +183,19 @@ class Router:
             return await self._read_chat(await read_json(request, self.config.max_request_mb << 20))
 
         async def work(source, options: OcrOptions, chat: openai_api.ChatRequest):
+            pipeline = self._pipeline(options.model)
             if not options.stream:
-                return await openai_api.answer(self.pipeline, source, options)
-            deltas = await openai_api.deltas(self.pipeline, source, options)
+                return await openai_api.answer(pipeline, source, options)
+            deltas = await openai_api.deltas(pipeline, source, options)
             include_usage = chat.stream_options is not None and chat.stream_options.include_usage
-            chunks = openai_api.chunks(deltas, self.pipeline.model_fields, include_usage)
+            chunks = openai_api.chunks(deltas, pipeline.model_fields, include_usage)
             return self._event_stream(chunks, deltas, options)
         return await self._guard(request, work, read)
 
     @api.get("/v1/models")
     async def http_models(self, request: Request):
         return self._refuse_without_key(request) or {
-            "object": "list", "data": [openai_api.model_card(self.model_id, self.started)]}
+            "object": "list", "data": [openai_api.model_card(name, self.started) for name in self.served]}
 
     @api.get("/v1/models/{model_id:path}")
     async def http_model(self, model_id: str, request: Request):
@@ -199,18 +203,19 @@ class Router:
         if refused is not None:
             return refused
         try:
-            self._check_model(model_id)
+            self._pipeline(model_id)
         except NotFound as e:
             return bad_request(e)
-        return openai_api.model_card(self.model_id, self.started)
+        return openai_api.model_card(model_id, self.started)
 
     @api.post("/v1/encode")
     async def http_encode(self, request: Request):
         async def work(images, options: OcrOptions):
             if isinstance(images, Document):
                 raise BadRequest("/v1/encode takes images; send documents to /v1/ocr", "document")
-            seqs, timings = await self.pipeline.encode(images, options)
-            return {**self.pipeline.model_fields, "timings": timings, "images": [
+            pipeline = self._pipeline(options.model)
+            seqs, timings = await pipeline.encode(images, options)
+            return {**pipeline.model_fields, "timings": timings, "images": [
                 {"num_tokens": s.shape[0], "dim": s.shape[1], "dtype": "float32",
                  "embedding_base64": base64.b64encode(s.float().numpy().tobytes()).decode()}
                 for s in seqs]}
@@ -219,7 +224,7 @@ class Router:
     @api.get("/health")
     async def health(self):
         """Liveness: this Router replica answers (no model call, no key needed)."""
-        return {"status": "ok", **self.pipeline.model_fields}
+        return {"status": "ok", **self._pipeline(None).model_fields, "models": list(self.served)}
 
     @api.get("/ready")
     async def ready(self, request: Request):
@@ -228,26 +233,22 @@ class Router:
         refused = self._refuse_without_key(request)
         if refused is not None:
             return refused
-        tiers = dict(self.pipeline.encoder.tiers)
-        if self.pipeline.decoder is not None:
-            tiers["Decoder"] = self.pipeline.decoder.ready
+        tiers = {}  # every model's, by deployment name
+        for model, pipeline in self.served.values():
+            decoder = {"Decoder": pipeline.decoder.ready} if pipeline.decoder is not None else {}
+            tiers.update({model.tier_name(name): ready
+                          for name, ready in {**pipeline.encoder.tiers, **decoder}.items()})
         states = dict(zip(tiers, await asyncio.gather(*(ready() for ready in tiers.values()))))
         waiting = [name for name, st in states.items() if not st.get("ready")]
         body = {"status": "ready" if not waiting else "not ready", "not_ready": waiting,
-                "tiers": states, **self.pipeline.model_fields}
+                "tiers": states, **self._pipeline(None).model_fields, "models": list(self.served)}
         return JSONResponse(status_code=503 if waiting else 200, content=body,
                             headers={"Retry-After": "5"} if waiting else None)
 
     # -- the HTTP edge --------------------------------------------------------------------------
-    def _check_model(self, model_id: str) -> None:
-        if model_id != self.model_id:
-            raise NotFound(f"the model {model_id!r} is not served here; it serves "
-                           f"{self.model_id!r} (GET /v1/models)", "model", "model_not_found")
-
     async def _read_chat(self, body):
         source, options, chat = await openai_api.read_chat(body, self.config)
-        if chat.model is not None:
-            self._check_model(chat.model)
+        self._pipeline(options.model)  # an unknown model: 404 before any work
         return source, options, chat
 
     def _event_stream(self, events: AsyncIterator[dict], deltas, options: OcrOptions):

@@ -58,8 +58,8 @@ def test_schema_check_can_fail(cluster_schema):
 
 def serve_configs():
     out = {name: load(os.path.join(CONFIGS, f"{name}.yaml"))
-           for name in ("cpu-tiny", "gpu-shared", "gpu-separate", "gpu-shared-one-encoder",
-                        "gpu-shared-encoder-in-router")}
+           for name in ("cpu-tiny", "cpu-two-models", "gpu-shared", "gpu-separate",
+                        "gpu-shared-one-encoder", "gpu-shared-encoder-in-router")}
     out["kuberay"] = yaml.safe_load(load(os.path.join(CONFIGS, "kuberay-rayservice.yaml"))["spec"]["serveConfigV2"])
     return out
 
@@ -79,20 +79,38 @@ def code_defaults() -> dict:
 def expected_deployments(config: dict) -> set[str]:
     (app,) = config["applications"]
     args = app.get("args", {})
-    encoders = (set() if args.get("encoder_in_router") else {"Encoder"} if args.get("one_encoder")
-                else {"GlobalEncoder", "LocalEncoder"})
-    return {"Router", "Decoder"} | encoders
+
+    def tiers(model: dict) -> set[str]:
+        encoders = (set() if model.get("encoder_in_router") else {"Encoder"} if model.get("one_encoder")
+                    else {"GlobalEncoder", "LocalEncoder"})
+        return {"Decoder"} | encoders
+    if "models" not in args:
+        return {"Router"} | tiers(args)
+    return {"Router"} | {f"{tier}-{model['name']}" for model in args["models"] for tier in tiers(model)}
 
 
-@pytest.mark.parametrize("name", ["cpu-tiny", "gpu-shared", "gpu-separate", "gpu-shared-one-encoder",
-                                  "gpu-shared-encoder-in-router", "kuberay"])
+def test_two_models_get_their_own_tiers():
+    """cpu-two-models.yaml builds one Router and each model's tiers, named for their model."""
+    from ray.serve._private.build_app import build_app
+
+    from deployments.app import build
+    from deployments.config import AppConfig
+    config = serve_configs()["cpu-two-models"]
+    (app,) = config["applications"]
+    built = build_app(build(AppConfig.model_validate(app["args"])), name="ocr")
+    assert {d.name for d in built.deployments} == expected_deployments(config) == {
+        "Router", "GlobalEncoder-ocr-a", "LocalEncoder-ocr-a", "Decoder-ocr-a", "Encoder-ocr-b", "Decoder-ocr-b"}
+
+
+@pytest.mark.parametrize("name", ["cpu-tiny", "cpu-two-models", "gpu-shared", "gpu-separate",
+                                  "gpu-shared-one-encoder", "gpu-shared-encoder-in-router", "kuberay"])
 def test_serve_configs_validate(name):
     config = serve_configs()[name]
     ServeDeploySchema.model_validate(config)
     (app,) = config["applications"]
     assert app["import_path"] == "deployments.app:build"
     defaults = code_defaults()
-    if name != "cpu-tiny":
+    if not name.startswith("cpu-"):
         assert {d["name"] for d in app["deployments"]} == expected_deployments(serve_configs()[name])
         for d in app["deployments"]:  # every tier autoscales, target below max_ongoing_requests
             auto = d["autoscaling_config"]
@@ -108,8 +126,8 @@ def test_serve_configs_validate(name):
     build(config)
 
 
-@pytest.mark.parametrize("name", ["cpu-tiny", "gpu-shared", "gpu-separate", "gpu-shared-one-encoder",
-                                  "gpu-shared-encoder-in-router"])
+@pytest.mark.parametrize("name", ["cpu-tiny", "cpu-two-models", "gpu-shared", "gpu-separate",
+                                  "gpu-shared-one-encoder", "gpu-shared-encoder-in-router"])
 def test_yamls_state_only_what_differs_from_the_code(name):
     """No number is both a code default and a YAML value: a YAML restating a default would
     silently stop following the code when the default changes."""

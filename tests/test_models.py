@@ -1,0 +1,114 @@
+"""Several models behind one address (`models` in the app's arguments): each its own tiers,
+requests choosing by `model` through HTTP, the OpenAI client and handles; an unknown model
+answers 404 in the envelope; the single-model app is unchanged (every other test runs it)."""
+import base64
+
+import pytest
+
+from deployments.config import AppConfig
+from tests.helpers import png
+
+IMAGE = png((900, 700), (30, 120, 200))  # tiled: 3x2 crops, 893 image tokens
+
+
+# -- the arguments ------------------------------------------------------------------------------
+def test_each_model_gets_its_own_config_and_tier_names():
+    config = AppConfig(max_len=2048, api_key="k" * 8, models=[
+        {"name": "ocr-1"}, {"name": "ocr.2", "one_encoder": True, "max_batch": 8}])
+    first, second = config.served_models()
+    assert (first.name, first.config.max_batch, first.config.one_encoder) == ("ocr-1", 256, False)
+    assert (second.name, second.config.max_batch, second.config.one_encoder) == ("ocr.2", 8, True)
+    assert second.config.max_len == 2048 and second.config.api_key == "k" * 8  # the app's, shared
+    assert [first.tier_name("Decoder"), second.tier_name("Encoder")] == ["Decoder-ocr-1", "Encoder-ocr.2"]
+    (alone,) = AppConfig().served_models()
+    assert alone.config == AppConfig() and alone.tier_name("Decoder") == "Decoder"
+
+
+@pytest.mark.parametrize("models, message", [
+    ([], "at least one model"),
+    ([{"name": "a"}, {"name": "a"}], "given twice"),
+    ([{"name": "a b"}], r"models\[0\].name must be"),
+    ([{"checkpoint": "/x"}], r"models\[0\].name must be"),
+    ([{"name": "a", "api_key": "k" * 8}], "api_key is not an argument a model sets"),
+    ([{"name": "a", "max_batch": 0}], r"models\[0\] \(a\).*max_batch"),
+    ([{"name": "a", "one_encoder": True, "views_on_encoder": False}], "needs views_on_encoder"),
+])
+def test_bad_models_are_refused_naming_the_entry(models, message):
+    with pytest.raises(ValueError, match=message):
+        AppConfig(models=models)
+
+
+def test_served_model_name_and_models_do_not_mix():
+    with pytest.raises(ValueError, match="each entry's name is its id"):
+        AppConfig(served_model_name="x", models=[{"name": "a"}])
+
+
+def test_corpus_requests_name_the_model_only_when_asked():
+    from corpus.run import RunOptions
+    assert "model" not in RunOptions().keyed()  # manifests written before keep their keys
+    assert RunOptions(model="b").keyed()["model"] == "b"
+
+
+# -- served -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_models(serve_app):
+    """Two models on the tiny checkpoint (the same weights: the same answers), placed apart:
+    `a` on two path encoders, `b` on one Encoder."""
+    from ray import serve
+
+    from deployments.app import build
+    app = build(AppConfig(max_len=2048, max_images=4, models=[
+        {"name": "a"}, {"name": "b", "one_encoder": True}]))
+    yield serve.run(app, name="models", route_prefix="/models")
+    serve.delete("models")
+
+
+@pytest.mark.slow
+def test_requests_choose_their_model(two_models):
+    requests = pytest.importorskip("requests")
+    openai = pytest.importorskip("openai")
+    from ray import serve
+
+    from tests.conftest import SERVE_URL
+    url = f"{SERVE_URL}/models"
+    deployments = set(serve.status().applications["models"].deployments)
+    assert deployments == {"Router", "GlobalEncoder-a", "LocalEncoder-a", "Decoder-a", "Encoder-b", "Decoder-b"}
+    assert [m["id"] for m in requests.get(f"{url}/v1/models", timeout=60).json()["data"]] == ["a", "b"]
+    assert requests.get(f"{url}/v1/models/b", timeout=60).json()["id"] == "b"
+    ready = requests.get(f"{url}/ready", timeout=60).json()
+    assert ready["status"] == "ready" and set(ready["tiers"]) == deployments - {"Router"}
+
+    body = {"image": base64.b64encode(IMAGE).decode(), "max_tokens": 6}
+    answers = {}
+    for model in (None, "a", "b"):
+        response = requests.post(f"{url}/v1/ocr", json={**body, **({"model": model} if model else {})},
+                                 timeout=300)
+        assert response.status_code == 200, response.text
+        answers[model] = response.json()
+        assert answers[model]["model"] == (model or "a") and answers[model]["usage"]["image_tokens"] == 893
+    assert answers["a"]["text"] == answers["b"]["text"]  # the same weights, either placement
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    image_url = {"url": "data:image/png;base64," + body["image"]}
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": image_url},
+                                             {"type": "text", "text": "Free OCR."}]}]
+    chat = client.chat.completions.create(model="b", messages=messages, max_tokens=6)
+    assert chat.model == "b"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="c", messages=messages, max_tokens=6)
+    assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
+
+    for response in (requests.post(f"{url}/v1/ocr", json={**body, "model": "c"}, timeout=60),
+                     requests.get(f"{url}/v1/models/c", timeout=60)):
+        assert response.status_code == 404
+        error = response.json()["error"]
+        assert error["code"] == "model_not_found" and "'a', 'b'" in error["message"]
+
+    got = two_models.ocr.remote(IMAGE, max_tokens=6, model="b").result(timeout_s=300)
+    assert got["model"] == "b" and got["text"] == answers["b"]["text"]
+    (seq_a,) = two_models.encode.remote(IMAGE).result(timeout_s=300)
+    (seq_b,) = two_models.encode.remote(IMAGE, model="b").result(timeout_s=300)
+    assert seq_a.shape == seq_b.shape == (893, seq_a.shape[1])
+    with pytest.raises(Exception, match="not served here"):
+        two_models.ocr.remote(IMAGE, model="c").result(timeout_s=60)
+    assert two_models.stats.remote("b").result()["model"] == "b"
