@@ -1,7 +1,8 @@
 """DeepSeek-OCR's tiling maths: the view modes, the grid of 640x640 crops an image is cut into,
 and how many tokens an image's views hold. No pixels here: this reproduces the reference's HF
 ``dynamic_preprocess`` / ``find_closest_aspect_ratio`` and the view modes of the vLLM / SGLang
-integrations, so that the grid and the token count are exactly the model's."""
+integrations, so that the grid and the token count are exactly the model's. DeepSeek-OCR-2's
+rule (768x768 crops, 2-6 of them, no newline tokens) is at the end (`ocr2_grid`)."""
 
 from __future__ import annotations
 
@@ -116,13 +117,15 @@ def candidate_grids(max_crops: int, min_crops: int = MIN_CROPS) -> list[tuple[in
 
 
 def choose_grid(
-    width: int, height: int, max_crops: int = DEFAULT_MAX_CROPS, min_crops: int = MIN_CROPS
+    width: int, height: int, max_crops: int = DEFAULT_MAX_CROPS, min_crops: int = MIN_CROPS,
+    crop_size: int = CROP_SIZE,
 ) -> tuple[int, int]:
     """Pick the tiling grid (width tiles, height tiles) whose aspect is closest to the image's.
 
     On an exact tie of aspect difference a later candidate (more tiles) wins
-    only if the image has more than half the pixels of that grid at 640x640
-    per tile -- the reference rule, kept as is.
+    only if the image has more than half the pixels of that grid at
+    crop_size x crop_size per tile (640 for DeepSeek-OCR, 768 for
+    DeepSeek-OCR-2) -- the reference rule, kept as is.
     """
     if width <= 0 or height <= 0:
         raise ValueError(f"image size must be positive, got {width}x{height}")
@@ -134,7 +137,7 @@ def choose_grid(
         diff = abs(aspect - i / j)
         if diff < best_diff:
             best_diff, best = diff, (i, j)
-        elif diff == best_diff and area > 0.5 * CROP_SIZE * CROP_SIZE * i * j:
+        elif diff == best_diff and area > 0.5 * crop_size * crop_size * i * j:
             best = (i, j)
     return best
 
@@ -176,3 +179,44 @@ def _grid_and_tokens(width: int, height: int, view_mode: ViewMode,
     if view_mode.crop and (width > CROP_SIZE or height > CROP_SIZE):
         grid = choose_grid(width, height, max_crops)
     return grid, count_tokens(grid, base_size=view_mode.base_size, crop_size=CROP_SIZE)
+
+
+# ---------------------------------------------------------------------------
+# DeepSeek-OCR-2 (DeepEncoder V2): 1024² global view, 768² crops, no newlines
+# ---------------------------------------------------------------------------
+# Its `process/image_process.py` and `config.py`: the same candidate grids and
+# tie rule as above with 768 as the tile size (the tie threshold included:
+# a 1400x1120 page is (2, 2) here and (3, 2) with 640 tiles), MIN_CROPS 2,
+# MAX_CROPS 6 ("max:6": what it was trained with), and no crops when both
+# sides are <= 768. Every view becomes as many tokens as its learned queries:
+# (side / 64)² -- 256 for the global view, 144 per crop.
+
+OCR2_BASE_SIZE = 1024
+OCR2_CROP_SIZE = 768
+OCR2_MIN_CROPS = 2
+OCR2_MAX_CROPS = 6
+OCR2_GLOBAL_TOKENS = (OCR2_BASE_SIZE // _PIXELS_PER_TOKEN_SIDE) ** 2  # query_1024: 256
+OCR2_CROP_TOKENS = (OCR2_CROP_SIZE // _PIXELS_PER_TOKEN_SIDE) ** 2  # query_768: 144
+
+
+def ocr2_grid(width: int, height: int, max_crops: int = OCR2_MAX_CROPS) -> tuple[int, int]:
+    """DeepSeek-OCR-2's crop grid (width tiles, height tiles) for an image this size; (1, 1)
+    (untiled) when both sides are <= 768."""
+    if width <= 0 or height <= 0:
+        raise ValueError(f"image size must be positive, got {width}x{height}")
+    if not OCR2_MIN_CROPS <= max_crops <= OCR2_MAX_CROPS:
+        raise ValueError(f"max_crops must be in {OCR2_MIN_CROPS}..{OCR2_MAX_CROPS} for "
+                         f"DeepSeek-OCR-2, got {max_crops!r}")
+    if width <= OCR2_CROP_SIZE and height <= OCR2_CROP_SIZE:
+        return (1, 1)
+    return choose_grid(width, height, max_crops, OCR2_MIN_CROPS, crop_size=OCR2_CROP_SIZE)
+
+
+def ocr2_count_tokens(grid: tuple[int, int]) -> int:
+    """DeepSeek-OCR-2's image tokens for one image: 144 per crop (when tiled), 256 for the
+    global view, one view separator."""
+    w_tiles, h_tiles = grid
+    tokens = OCR2_GLOBAL_TOKENS + 1
+    if (w_tiles, h_tiles) != (1, 1):
+        tokens += OCR2_CROP_TOKENS * w_tiles * h_tiles
+    return tokens

@@ -1,0 +1,188 @@
+"""DeepEncoder V2's second stage: a Qwen2-0.5B-shaped transformer run as an encoder over
+[SAM tokens ; learned queries] (checkpoint prefix `model.qwen2_model.`).
+
+Spec: DeepSeek-OCR-2's `deepencoderv2/qwen2_d2e.py`, which wraps transformers' (4.46) Qwen2Model
+with its token embedding deleted and a custom 4D mask. Its wrappers give the keys their double
+`model.model.` (`Qwen2Decoder2Encoder.model` is a `CustomQwen2Decoder`, whose `.model` is the
+Qwen2Model), kept here so `model.qwen2_model.model.model.layers.3.self_attn.q_proj.weight` loads
+with strict=True:
+
+    qwen2_model.query_768.weight   [144, D]   learned queries of a 768² crop (12 x 12 SAM tokens)
+    qwen2_model.query_1024.weight  [256, D]   learned queries of a 1024² view (16 x 16)
+    qwen2_model.model.model.layers.{i}.{input_layernorm, self_attn.{q,k,v,o}_proj,
+        post_attention_layernorm, mlp.{gate,up,down}_proj}
+    qwen2_model.model.model.norm.weight
+
+The sequence is the view's n SAM tokens followed by n queries. Image tokens attend to every image
+token (both ways) and to no query; query i attends to every image token and to queries 0..i
+("visual causal flow"). Positions are 0..2n-1 for RoPE, as Qwen2Model numbers them. Only the
+queries' final states leave (after the final RMSNorm). The mask, cos and sin depend only on n, so
+each is made once per view size and read in place: nothing in `forward` depends on data, and a
+CUDA graph captured for a view size replays them as they are.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import EncoderV2Args
+
+# The two learned query tables, named by the side of the view they serve; a view of that side
+# has (side / 64)² SAM tokens and as many queries.
+QUERY_SIDES = (768, 1024)
+_PIXELS_PER_TOKEN_SIDE = 64
+
+
+@functools.cache
+def causal_flow_mask(n_image: int, n_query: int, device: torch.device) -> torch.Tensor:
+    """[T, T] bool (T = n_image + n_query), True where row i may attend to column j: every row
+    to the image tokens (j < n_image); query rows also to queries up to themselves (j <= i).
+    Image rows then see no query, since j <= i < n_image is already an image token.
+    A normal tensor even when first made under inference mode (autograd may read it later)."""
+    with torch.inference_mode(False):
+        idx = torch.arange(n_image + n_query, device=device)
+        return (idx[None, :] < n_image) | (idx[None, :] <= idx[:, None])
+
+
+@functools.cache
+def rope_tables(seqlen: int, head_dim: int, theta: float, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [seqlen, head_dim] for positions 0..seqlen-1, computed in fp32 as transformers'
+    Qwen2RotaryEmbedding (inverse frequencies from an int64 arange, angles = position x
+    frequency, both halves repeated), then cast to the activations' dtype, as it does."""
+    with torch.inference_mode(False):
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+        inv_freq = 1.0 / (theta ** exponents)
+        angles = torch.outer(torch.arange(seqlen, device=device).float(), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, head_dim] rotated by position (the non-interleaved halves of Qwen2)."""
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    """Qwen2RMSNorm: normalised in fp32, cast back, then scaled (the order matters in bf16)."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Qwen2Attention(nn.Module):
+    """Grouped-query attention: q, k, v with biases, o without (Qwen2's attention_bias)."""
+
+    def __init__(self, args: EncoderV2Args):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = args.qwen2_heads, args.qwen2_kv_heads, args.qwen2_head_dim
+        self.q_proj = nn.Linear(args.qwen2_width, self.heads * self.head_dim)
+        self.k_proj = nn.Linear(args.qwen2_width, self.kv_heads * self.head_dim)
+        self.v_proj = nn.Linear(args.qwen2_width, self.kv_heads * self.head_dim)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, args.qwen2_width, bias=False)
+
+    def forward(self, x, cos, sin, mask):
+        bsz, seqlen, _ = x.shape
+        q = self.q_proj(x).view(bsz, seqlen, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, seqlen, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, seqlen, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Key/value head h serves query heads h*rep .. (h+1)*rep-1 (transformers' repeat_kv).
+        # Repeated here rather than SDPA's enable_gqa: with a mask, that flag sends CUDA to
+        # the math kernel, while repeated heads keep the memory-efficient one.
+        rep = self.heads // self.kv_heads
+        k = k[:, :, None].expand(-1, -1, rep, -1, -1).reshape(bsz, self.heads, seqlen, self.head_dim)
+        v = v[:, :, None].expand(-1, -1, rep, -1, -1).reshape(bsz, self.heads, seqlen, self.head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, heads, T, head_dim]
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seqlen, self.heads * self.head_dim))
+
+
+class Qwen2MLP(nn.Module):
+    def __init__(self, args: EncoderV2Args):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.qwen2_width, args.qwen2_mlp_dim, bias=False)
+        self.up_proj = nn.Linear(args.qwen2_width, args.qwen2_mlp_dim, bias=False)
+        self.down_proj = nn.Linear(args.qwen2_mlp_dim, args.qwen2_width, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen2Layer(nn.Module):
+    def __init__(self, args: EncoderV2Args):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.qwen2_width, args.rms_eps)
+        self.self_attn = Qwen2Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.qwen2_width, args.rms_eps)
+        self.mlp = Qwen2MLP(args)
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2Layers(nn.Module):
+    """transformers' Qwen2Model without its token embedding (`...model.model.`)."""
+
+    def __init__(self, args: EncoderV2Args):
+        super().__init__()
+        self.layers = nn.ModuleList(Qwen2Layer(args) for _ in range(args.qwen2_depth))
+        self.norm = RMSNorm(args.qwen2_width, args.rms_eps)
+
+
+class Qwen2Decoder(nn.Module):
+    """DeepSeek's `CustomQwen2Decoder`: only a wrapper, kept for its `.model` in the keys."""
+
+    def __init__(self, args: EncoderV2Args):
+        super().__init__()
+        self.model = Qwen2Layers(args)
+
+
+class Qwen2Encoder(nn.Module):
+    """SAM features [B, C, g, g] -> the g*g queries' final states [B, g*g, C]
+    (DeepSeek's `Qwen2Decoder2Encoder`, checkpoint prefix `model.qwen2_model.`)."""
+
+    def __init__(self, args: EncoderV2Args):
+        super().__init__()
+        self.args = args
+        self.model = Qwen2Decoder(args)
+        for side in QUERY_SIDES:
+            setattr(self, f"query_{side}", nn.Embedding((side // _PIXELS_PER_TOKEN_SIDE) ** 2,
+                                                        args.qwen2_width))
+
+    def queries(self, n: int) -> torch.Tensor:
+        """The learned queries [n, C] of a view with n SAM tokens (chosen by shape, not data)."""
+        for side in QUERY_SIDES:
+            table = getattr(self, f"query_{side}")
+            if table.num_embeddings == n:
+                return table.weight
+        sides = ", ".join(f"{s}² ({(s // _PIXELS_PER_TOKEN_SIDE) ** 2} tokens)" for s in QUERY_SIDES)
+        raise ValueError(f"no learned queries for a view of {n} SAM tokens; DeepEncoder V2 has "
+                         f"them for views of {sides}")
+
+    def forward(self, features):
+        x = features.flatten(2).transpose(1, 2)  # [B, n, C]
+        bsz, n, c = x.shape
+        queries = self.queries(n).to(x.dtype).expand(bsz, n, c)
+        x = torch.cat([x, queries], dim=1)  # [B, 2n, C]: image tokens, then queries
+        mask = causal_flow_mask(n, n, x.device)
+        cos, sin = rope_tables(2 * n, self.args.qwen2_head_dim, self.args.rope_theta, x.device, x.dtype)
+        stack = self.model.model
+        for layer in stack.layers:
+            x = layer(x, cos, sin, mask)
+        return stack.norm(x[:, n:])  # the norm is per token: only the queries' rows are needed
