@@ -28,6 +28,7 @@ if not ray.is_initialized():
 from .config import AppConfig, ServedModel
 from .decoder_server import DecoderServer
 from .encoders import PathEncoder
+from .model_source import check_model_config
 from .placement import ModelTiers
 from .router import Router
 
@@ -41,6 +42,8 @@ def build(config: AppConfig) -> Application:
             raise FileNotFoundError(f"checkpoint {checkpoint!r} has no config.json: give the "
                                     f"local directory of DeepSeek-OCR's released files (config.json, "
                                     f"model*.safetensors, tokenizer.json)")
+        if checkpoint:
+            check_model_config(checkpoint)
     return Router.bind([_tiers(model) for model in config.served_models()], config)
 
 

@@ -13,26 +13,28 @@ from __future__ import annotations
 import torch
 
 from encoder import DecodedImage, DualPathEncoder, PathTokens
-from encoder.preprocess import (CROP_SIZE, DEFAULT_MAX_CROPS, MAX_CROPS_LIMIT, MODES, check_view_options,
-                                count_tokens, crops_of, global_view_of)
+from encoder.preprocess import MODES, Tiling, crops_of, global_view_of
 
 
-def check_decoded(image: DecodedImage) -> None:
+def check_decoded(image: DecodedImage, tiling: Tiling) -> None:
     """A ValueError naming what is wrong with a decoded image a caller built (before it joins a
-    batch, where it would fail every request of the batch)."""
+    batch, where it would fail every request of the batch), for an encoder of `tiling`."""
+    if image.tiling != tiling:
+        raise ValueError(f"an image measured for {image.tiling.name} sent to a {tiling.name} "
+                         f"encoder")
     pixels = image.pixels
     if (not isinstance(pixels, torch.Tensor) or pixels.dtype != torch.uint8 or pixels.ndim != 3
             or pixels.shape[0] not in (1, 3) or min(pixels.shape) < 1):
         raise ValueError(f"decoded pixels must be uint8 [1 or 3, H, W], got "
                          f"{getattr(pixels, 'dtype', type(pixels).__name__)} {tuple(getattr(pixels, 'shape', ()))}")
-    check_view_options(image.mode, DEFAULT_MAX_CROPS)
-    grid = image.grid
+    view_mode = tiling.check(image.mode, tiling.default_max_crops)
+    grid, most = image.grid, tiling.max_crops_limit
     tiles = grid[0] * grid[1] if (isinstance(grid, tuple) and len(grid) == 2 and all(
         isinstance(n, int) and n >= 1 for n in grid)) else 0
-    if not (grid == (1, 1) or (MODES[image.mode].crop and 2 <= tiles <= MAX_CROPS_LIMIT)):
-        raise ValueError(f"grid must be (width tiles, height tiles) of 2..{MAX_CROPS_LIMIT} crops "
+    if not (grid == (1, 1) or (view_mode.crop and 2 <= tiles <= most)):
+        raise ValueError(f"grid must be (width tiles, height tiles) of 2..{most} crops "
                          f"in a cropping mode, or (1, 1): not tiled; got {grid!r}")
-    expected = count_tokens(grid, base_size=MODES[image.mode].base_size)
+    expected = tiling.count_tokens(grid, view_mode.base_size)
     if image.num_tokens != expected:
         raise ValueError(f"num_tokens {image.num_tokens!r} does not match grid {grid} in mode "
                          f"{image.mode!r} ({expected})")
@@ -57,12 +59,13 @@ class Role:
         """What one request adds to a batch, in the unit of the engine's budgets."""
         return 1
 
-    def check(self, sent: DecodedImage | torch.Tensor) -> None:
+    def check(self, sent: DecodedImage | torch.Tensor, tiling: Tiling) -> None:
+        """Whether what was sent suits this role of an encoder of `tiling`: ValueError if not."""
         if isinstance(sent, DecodedImage):
-            check_decoded(sent)
+            check_decoded(sent, tiling)
             self.check_decoded(sent)
         elif isinstance(sent, torch.Tensor):
-            self.check_views(sent)
+            self.check_views(sent, tiling)
         else:
             raise ValueError(f"the {self.label} takes an ImageHeader, a DecodedImage or views, "
                              f"got {type(sent).__name__}")
@@ -70,7 +73,7 @@ class Role:
     def check_decoded(self, image: DecodedImage) -> None:
         """Nothing more for most roles."""
 
-    def check_views(self, views: torch.Tensor) -> None:
+    def check_views(self, views: torch.Tensor, tiling: Tiling) -> None:
         raise ValueError(f"the {self.label} makes its own views: send it the image "
                          f"(an ImageHeader or a DecodedImage), not a tensor")
 
@@ -95,12 +98,12 @@ class GlobalPath(Role):
     """The GlobalEncoder: an image's global view -> its tokens [g*(g+1), D]."""
 
     name, label, paths = "global", "GlobalEncoder", ("global",)
-    _SIZES = sorted({mode.base_size for mode in MODES.values()})
 
-    def check_views(self, views: torch.Tensor) -> None:
-        _check_views(views, f"[3, S, S] with S one of {self._SIZES}",
+    def check_views(self, views: torch.Tensor, tiling: Tiling) -> None:
+        sizes = sorted({MODES[mode].base_size for mode in tiling.modes})
+        _check_views(views, f"[3, S, S] with S one of {sizes}",
                      views.dtype == torch.uint8 and views.ndim == 3 and views.shape[0] == 3
-                     and views.shape[1] == views.shape[2] and views.shape[1] in self._SIZES)
+                     and views.shape[1] == views.shape[2] and views.shape[1] in sizes)
 
     def views_of(self, image: DecodedImage, pixels: torch.Tensor) -> tuple:
         return global_view_of(pixels, image.mode), None
@@ -124,14 +127,14 @@ class LocalPath(Role):
         if not image.tiled:
             raise ValueError("the LocalEncoder encodes crops: this image is not tiled (grid (1, 1))")
 
-    def check_views(self, views: torch.Tensor) -> None:
-        _check_views(views, f"[P, 3, {CROP_SIZE}, {CROP_SIZE}] with P in 1..{MAX_CROPS_LIMIT}",
+    def check_views(self, views: torch.Tensor, tiling: Tiling) -> None:
+        side, most = tiling.crop_size, tiling.max_crops_limit
+        _check_views(views, f"[P, 3, {side}, {side}] with P in 1..{most}",
                      views.dtype == torch.uint8 and views.ndim == 4
-                     and tuple(views.shape[1:]) == (3, CROP_SIZE, CROP_SIZE)
-                     and 1 <= views.shape[0] <= MAX_CROPS_LIMIT)
+                     and tuple(views.shape[1:]) == (3, side, side) and 1 <= views.shape[0] <= most)
 
     def views_of(self, image: DecodedImage, pixels: torch.Tensor) -> tuple:
-        return None, crops_of(pixels, image.grid)
+        return None, crops_of(pixels, image.grid, side=image.tiling.crop_size)
 
     def as_sent(self, views: torch.Tensor) -> tuple:
         return None, views
@@ -147,7 +150,8 @@ class WholeImage(Role):
     name, label, paths = "both", "Encoder of both paths", ("global", "local")
 
     def views_of(self, image: DecodedImage, pixels: torch.Tensor) -> tuple:
-        return global_view_of(pixels, image.mode), crops_of(pixels, image.grid) if image.tiled else None
+        crops = crops_of(pixels, image.grid, side=image.tiling.crop_size) if image.tiled else None
+        return global_view_of(pixels, image.mode), crops
 
     def results(self, engine, outputs, sent):
         return engine.sequences(outputs, [image.grid for image in sent])

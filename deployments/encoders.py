@@ -149,7 +149,7 @@ class EncoderReplica:
             # ImageError: this request alone fails
             sent = await loop.run_in_executor(self.decode_worker, decode_header, sent)
             decode_ms = (time.perf_counter() - start) * 1e3
-        self.role.check(sent)
+        self.role.check(sent, self.engine.encoder.tiling)
         image = QueuedImage(sent, decode_ms=decode_ms)
         if self.views_on_arrival and isinstance(sent, DecodedImage):
             image.views = await loop.run_in_executor(self.views_worker, self._views_of, sent)

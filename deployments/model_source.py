@@ -16,12 +16,12 @@ import torch
 
 from common import switches
 from common.allocator import keep_freed_memory
-from common.checkpoint import random_state_dict, save_checkpoint
+from common.checkpoint import random_state_dict, read_config, save_checkpoint
 from decoder.checkpoint import released_shapes
 from decoder.config import DecoderArgs
 from decoder.tokenizer import byte_tokenizer_json
 from encoder.checkpoint import vision_shapes
-from encoder.config import EncoderArgs
+from encoder.config import EncoderArgs, EncoderV2Args, is_ocr2_config
 
 from .protocol import send_tensors_out_of_band
 
@@ -38,6 +38,9 @@ def write_random_model(path, vision: EncoderArgs | None = None, language: Decode
     and language tensors (one file or `num_shards` shards) and a byte-level `tokenizer.json` with
     DeepSeek's special-token ids. Tiny dims by default. Returns the directory."""
     vision, language = vision or EncoderArgs.tiny(), language or DecoderArgs.tiny()
+    if vision.n_embed != language.hidden:
+        raise ValueError(f"the vision projector's width {vision.n_embed} must be the language "
+                         f"model's {language.hidden}")
     tensors = (random_state_dict(vision_shapes(vision), seed)
                | random_state_dict(released_shapes(language), seed + 1))
     save_checkpoint(path, vision.to_config() | language.to_config(),
@@ -45,6 +48,18 @@ def write_random_model(path, vision: EncoderArgs | None = None, language: Decode
     with open(os.path.join(path, "tokenizer.json"), "w", encoding="utf-8") as f:
         f.write(byte_tokenizer_json())
     return os.fspath(path)
+
+
+def check_model_config(directory: str) -> None:
+    """A checkpoint's config.json read as its encoder and decoder will read it (the family from
+    the config), and the two agreeing: the encoder's tokens are the decoder's width. A
+    ValueError naming what does not fit, before any replica starts."""
+    config = read_config(directory)
+    vision = (EncoderV2Args if is_ocr2_config(config) else EncoderArgs).from_config(config)
+    language = DecoderArgs.from_config(config)
+    if vision.n_embed != language.hidden:
+        raise ValueError(f"checkpoint {directory!r}: its vision projector makes {vision.n_embed}-wide "
+                         f"tokens but its language model is {language.hidden} wide")
 
 
 def resolve_checkpoint(checkpoint: str | None) -> tuple[str, str]:

@@ -143,6 +143,7 @@ class OcrPipeline:
         with its error, never the document's failure."""
         self._require_decoder()
         options.prompt_for(1, 1)  # a prompt every page can take: one <image> tag
+        self._check_views(options)
         pdf = await asyncio.to_thread(PdfDocument, document.data, self.config.max_pages)
         try:
             indices = parse_page_range(options.page_range, pdf.page_count)
@@ -204,9 +205,19 @@ class OcrPipeline:
         seqs, timings = await self._encode(prepared)
         return ids, seqs, timings, [p.original_size for p in prepared]
 
+    def _check_views(self, options: OcrOptions) -> None:
+        """The view options against this model's family (DeepSeek-OCR-2 has two modes and at
+        most 6 crops), as a 400 naming the field; `OcrOptions` checked them against the widest."""
+        tiling = self.encoder.tiling
+        try:
+            tiling.check(options.mode, options.max_crops)
+        except ImageError as e:
+            raise BadRequest(str(e), "mode" if options.mode not in tiling.modes else "max_crops") from None
+
     async def _preprocess(self, images: list, options: OcrOptions) -> list[Prepared]:
         """Each image's sequence from the cache, or what the encoder strategy makes of it, on
         a worker thread (the event loop stays free)."""
+        self._check_views(options)
         def prepare(image) -> Prepared:
             key = content_key(image, options.mode, options.max_crops) if self.cache else None
             cached = self.cache.get(key) if self.cache else None

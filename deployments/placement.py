@@ -27,10 +27,10 @@ import torch
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
 
-from common.checkpoint import read_config, read_tensors
+from common.checkpoint import read_config
 from decoder import DecoderArgs, load_tokenizer
-from encoder import assemble
-from encoder.preprocess import decode, read_header, start_preprocess
+from encoder.checkpoint import load_sequence_layout
+from encoder.preprocess import Tiling, decode, read_header, start_preprocess
 
 from .config import AppConfig, ServedModel
 from .encoders import EncoderReplica
@@ -72,26 +72,29 @@ def remote_ready(handle) -> Callable[[], Awaitable[dict]]:
     return ready
 
 
-def _bytes_or_pixels(image, mode: str, max_crops: int, decode_on_encoder: bool):
+def _bytes_or_pixels(image, mode: str, max_crops: int, decode_on_encoder: bool, tiling: Tiling):
     """What an encoder that makes the views is sent: the image's bytes with their header
-    (decode_on_encoder, PNG and JPEG: the encoder decodes), else its decoded pixels."""
-    return (read_header(image, mode, max_crops) if decode_on_encoder else None) or decode(image, mode, max_crops)
+    (decode_on_encoder, PNG and JPEG: the encoder decodes), else its decoded pixels; measured
+    for the model's family (`tiling`)."""
+    return ((read_header(image, mode, max_crops, tiling=tiling) if decode_on_encoder else None)
+            or decode(image, mode, max_crops, tiling=tiling))
 
 
 class PathEncoders:
     """GlobalEncoder and LocalEncoder: the image to both at once, each making its path's views;
-    the sequence assembled here (crops' grid with newlines, global view, separator)."""
+    the sequence assembled here, as the encoder's own `sequence` does (`sequence`: for
+    DeepSeek-OCR the crops' grid with newlines, the global view, the separator)."""
 
-    def __init__(self, global_encoder, local_encoder, newline: torch.Tensor, separator: torch.Tensor,
+    def __init__(self, global_encoder, local_encoder, tiling: Tiling, sequence: Callable,
                  config: AppConfig):
         self.global_encoder, self.local_encoder = global_encoder, local_encoder
-        self.newline, self.separator = newline, separator
+        self.tiling, self.sequence = tiling, sequence
         self.decode_on_encoder = config.decode_on_encoder
         self.tiers = {"GlobalEncoder": remote_ready(global_encoder),
                       "LocalEncoder": remote_ready(local_encoder)}
 
     def prepare(self, image, mode: str, max_crops: int):
-        return _bytes_or_pixels(image, mode, max_crops, self.decode_on_encoder)
+        return _bytes_or_pixels(image, mode, max_crops, self.decode_on_encoder, self.tiling)
 
     async def encode(self, item) -> tuple[torch.Tensor, dict]:
         start = time.perf_counter()
@@ -113,7 +116,7 @@ class PathEncoders:
 
     def _assembled(self, item, global_tokens, crop_tokens, start: float, ready: float):
         encoded = time.perf_counter()
-        seq = assemble(global_tokens, crop_tokens, item.grid, self.newline, self.separator)
+        seq = self.sequence(global_tokens, crop_tokens, item.grid)
         return seq, {"preprocess_ms": (ready - start) * 1e3, "encode_ms": (encoded - ready) * 1e3,
                      "assemble_ms": (time.perf_counter() - encoded) * 1e3}
 
@@ -130,7 +133,7 @@ class RouterViews(PathEncoders):
     thread); `preprocess_ms` is until the crops are ready."""
 
     def prepare(self, image, mode: str, max_crops: int):
-        return start_preprocess(image, mode, max_crops)
+        return start_preprocess(image, mode, max_crops, tiling=self.tiling)
 
     async def encode(self, pending) -> tuple[torch.Tensor, dict]:
         start = time.perf_counter()
@@ -150,15 +153,16 @@ class WholeImages:
     """One encoder of both paths, which makes the views, encodes and assembles: one call per
     image (`call(image)`: its header or its decoded pixels -> its sequence)."""
 
-    def __init__(self, call, tiers: dict, config: AppConfig, replica: EncoderReplica | None = None):
-        self.call, self.tiers, self.replica = call, tiers, replica
+    def __init__(self, call, tiers: dict, tiling: Tiling, config: AppConfig,
+                 replica: EncoderReplica | None = None):
+        self.call, self.tiers, self.tiling, self.replica = call, tiers, tiling, replica
         self.decode_on_encoder = config.decode_on_encoder
 
     @classmethod
-    def deployment(cls, encoder, config: AppConfig) -> WholeImages:
+    def deployment(cls, encoder, tiling: Tiling, config: AppConfig) -> WholeImages:
         """The Encoder deployment (one_encoder)."""
         return cls(lambda image: call_with_retry(encoder.encode, image),
-                   {"Encoder": remote_ready(encoder)}, config)
+                   {"Encoder": remote_ready(encoder)}, tiling, config)
 
     @classmethod
     def in_process(cls, config: AppConfig) -> WholeImages:
@@ -167,10 +171,10 @@ class WholeImages:
 
         async def ready() -> dict:  # in this process: ready, as this replica answers
             return replica.ready()
-        return cls(replica.encode, {"Encoder": ready}, config, replica)
+        return cls(replica.encode, {"Encoder": ready}, replica.engine.encoder.tiling, config, replica)
 
     def prepare(self, image, mode: str, max_crops: int):
-        return _bytes_or_pixels(image, mode, max_crops, self.decode_on_encoder)
+        return _bytes_or_pixels(image, mode, max_crops, self.decode_on_encoder, self.tiling)
 
     async def encode(self, item) -> tuple[torch.Tensor, dict]:
         start = time.perf_counter()
@@ -189,16 +193,17 @@ class WholeImages:
             await self.replica.check_health()
 
 
-def encoder_strategy(global_encoder, local_encoder, newline: torch.Tensor, separator: torch.Tensor,
+def encoder_strategy(global_encoder, local_encoder, tiling: Tiling, sequence: Callable,
                      config: AppConfig):
     """The placement the app was built with: both handles (two path deployments), the global
-    one only (one Encoder), or none (the encoder in this process)."""
+    one only (one Encoder), or none (the encoder in this process); `tiling` and `sequence`: the
+    checkpoint's (`encoder.checkpoint.load_sequence_layout`)."""
     if config.encoder_in_router:
         return WholeImages.in_process(config)
     if local_encoder is None:
-        return WholeImages.deployment(global_encoder, config)
+        return WholeImages.deployment(global_encoder, tiling, config)
     kind = PathEncoders if config.views_on_encoder else RouterViews
-    return kind(global_encoder, local_encoder, newline, separator, config)
+    return kind(global_encoder, local_encoder, tiling, sequence, config)
 
 
 class DecoderClient:
@@ -240,9 +245,8 @@ def model_pipeline(tiers: ModelTiers) -> OcrPipeline:
     with), its decoder client, tokenizer and context, and what every answer says of it."""
     config = tiers.model.config
     directory, model_label = resolve_checkpoint(config.checkpoint)
-    specials = read_tensors(directory, lambda k: k in ("model.image_newline", "model.view_seperator"))
-    encoder = encoder_strategy(tiers.global_encoder, tiers.local_encoder, specials["model.image_newline"],
-                               specials["model.view_seperator"], config)
+    encoder = encoder_strategy(tiers.global_encoder, tiers.local_encoder,
+                               *load_sequence_layout(directory), config)
     decoder = tiers.decoder
     # Encode-only apps need no tokenizer (and their checkpoints may carry none), and have no
     # context to bound prompts (an encoder-only checkpoint has no language config).

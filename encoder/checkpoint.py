@@ -10,8 +10,10 @@ holds (`config.is_ocr2_config`): DeepEncoder (`model.sam_model.*`, `model.vision
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -19,8 +21,9 @@ from common.checkpoint import (CheckpointError, build_module, check_state_dict, 
                                random_state_dict, read_config, read_tensors, save_checkpoint)
 
 from .config import EncoderArgs, EncoderV2Args, is_ocr2_config
-from .model import DeepEncoder
-from .model_v2 import DeepEncoderV2
+from .model import DeepEncoder, assemble
+from .model_v2 import DeepEncoderV2, assemble_v2
+from .tiling import DEEPSEEK_OCR, DEEPSEEK_OCR_2, Tiling
 
 VISION_PREFIXES = ("model.sam_model.", "model.vision_model.", "model.projector.",
                    "model.image_newline", "model.view_seperator")
@@ -118,3 +121,16 @@ def write_random_checkpoint(path, config: EncoderArgs | EncoderV2Args, seed: int
     tensors.update(extra_tensors or {})
     save_checkpoint(path, config.to_config() | (extra_config or {}), tensors, num_shards)
     return os.fspath(path)
+
+
+def load_sequence_layout(path: str | os.PathLike) -> tuple[Tiling, Callable]:
+    """What a router needs of a checkpoint's encoder without loading it: its family's tiling,
+    and `sequence(global_tokens, crop_tokens, grid)` laying an image's tokens out as the
+    encoder's own `sequence` does (the view separator, and DeepSeek-OCR's newline, read from
+    the checkpoint)."""
+    if is_ocr2_config(read_config(path)):
+        specials = read_tensors(path, lambda k: k == "model.view_seperator")
+        return DEEPSEEK_OCR_2, functools.partial(assemble_v2, separator=specials["model.view_seperator"])
+    specials = read_tensors(path, lambda k: k in ("model.image_newline", "model.view_seperator"))
+    return DEEPSEEK_OCR, functools.partial(assemble, newline=specials["model.image_newline"],
+                                           separator=specials["model.view_seperator"])

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageChops, ImageOps
 
-from .tiling import DEFAULT_MAX_CROPS, ImageError, ViewMode, _grid_and_tokens, _Tiling, check_view_options
+from .tiling import DEEPSEEK_OCR, DEFAULT_MAX_CROPS, ImageError, Tiling, ViewMode, _Gridded
 
 # Default decompression-bomb limit (width * height), configurable per call.
 # Note: PIL refuses images above 2 * Image.MAX_IMAGE_PIXELS (~179 MP) in
@@ -195,14 +195,15 @@ def _grey_channel(img: Image.Image) -> Image.Image | None:
     return red
 
 
-def _decode(image, mode, max_crops, max_pixels, grey) -> tuple[Image.Image, ViewMode, tuple[int, int], int]:
+def _decode(image, mode, max_crops, max_pixels, grey,
+            tiling: Tiling) -> tuple[Image.Image, ViewMode, tuple[int, int], int]:
     """The decoded image ("L" when grey and `grey`, else "RGB"), its view mode, its grid and
-    its token count."""
-    view_mode = check_view_options(mode, max_crops)
+    its token count, for the model family `tiling`."""
+    view_mode = tiling.check(mode, max_crops)
     img = _load(image, max_pixels, keep_grey=grey)
     if grey and img.mode == "RGB":
         img = _grey_channel(img) or img
-    return img, view_mode, *_grid_and_tokens(img.width, img.height, view_mode, max_crops)
+    return img, view_mode, *tiling.grid_and_tokens(img.width, img.height, view_mode, max_crops)
 
 
 def page_locked(pixels: torch.Tensor) -> torch.Tensor:
@@ -218,7 +219,7 @@ def page_locked(pixels: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True, eq=False)
-class DecodedImage(_Tiling):
+class DecodedImage(_Gridded):
     """An image decoded, oriented and measured, before any resize: what a router sends when
     the encoders make the views on their own device (`global_view_of`, `crops_of`)."""
 
@@ -227,6 +228,7 @@ class DecodedImage(_Tiling):
     num_tokens: int
     mode: str
     original_size: tuple[int, int]
+    tiling: Tiling = DEEPSEEK_OCR  # the model family it was measured for
 
 
 def decode(
@@ -236,13 +238,16 @@ def decode(
     max_pixels: int = MAX_IMAGE_PIXELS,
     grey: bool = True,
     pin_memory: bool = False,
+    tiling: Tiling = DEEPSEEK_OCR,
 ) -> DecodedImage:
     """Decode ``image`` (as `preprocess`, same errors) without building any view; `pin_memory`
-    as `preprocess` (the pixels then reach the GPU for `views_of` by DMA)."""
-    img, _, grid, num_tokens = _decode(image, mode, max_crops, max_pixels, grey)
+    as `preprocess` (the pixels then reach the GPU for `views_of` by DMA); measured for the
+    model family `tiling`."""
+    img, _, grid, num_tokens = _decode(image, mode, max_crops, max_pixels, grey, tiling)
     if img.mode == "L":
         pixels = np.array(img, dtype=np.uint8)[None]  # np.array: a writable copy
     else:
         pixels = np.ascontiguousarray(np.asarray(img, dtype=np.uint8).transpose(2, 0, 1))
     pixels = torch.from_numpy(pixels)
-    return DecodedImage(page_locked(pixels) if pin_memory else pixels, grid, num_tokens, mode, img.size)
+    return DecodedImage(page_locked(pixels) if pin_memory else pixels, grid, num_tokens, mode, img.size,
+                        tiling)

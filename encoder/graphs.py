@@ -4,7 +4,8 @@ LocalEncoder deployments and the benchmarks all run this one engine.
 
 The story, top to bottom:
 1. `PathGraphs(name, forward, budgets, view_shape)` owns one path (global: `forward_global` on
-   [n, 3, 1024, 1024]; local: `forward_local` on [n, 3, 640, 640]). On CUDA it captures one graph
+   [n, 3, 1024, 1024]; local: `forward_local` on [n, 3, C, C], C the family's crop side: 640 for
+   DeepSeek-OCR, 768 for DeepSeek-OCR-2). On CUDA it captures one graph
    per token budget, LARGEST FIRST, all into one memory pool of this path, so the smaller graphs
    reuse the largest one's activation memory. Each graph has its own static input buffer (uint8
    views) and its own output. First the path's Triton kernels are compiled on threads at once
@@ -212,7 +213,8 @@ class PathGraphs:
 
 @dataclass(frozen=True, eq=False)
 class PathTokens:
-    """One image's encoder output: global tokens [g*(g+1), D] and crop tokens [P, 100, D]; None
+    """One image's encoder output: global tokens [g*(g+1), D] and crop tokens [P, 100, D] (DeepSeek-
+    OCR-2: [256, D] and [P, 144, D]); None
     for a part the image did not send (untiled: no crops) or this engine does not serve."""
 
     global_tokens: torch.Tensor | None
@@ -236,7 +238,9 @@ class DualPathEncoder:
         if views_on_device is None:
             views_on_device = encoder.device.type == "cuda" and resize_supported()
         self.views_on_device = views_on_device
-        global_budgets, local_budgets = budgets or default_budgets(max_images=max_images)
+        tiling = encoder.tiling  # the family's view sizes and tokens per view
+        global_budgets, local_budgets = budgets or default_budgets(
+            max_images=max_images, global_unit=tiling.view_tokens(1024), local_unit=tiling.crop_tokens)
         forward_global, forward_local = encoder.forward_global, encoder.forward_local
         self.global_path = self.local_path = None
         left = max_graph_memory_gb
@@ -248,7 +252,8 @@ class DualPathEncoder:
             left = None if left is None else left - self.global_path.report.memory_bytes / GB
             views = None
         if "local" in paths:
-            self.local_path = PathGraphs("local", forward_local, local_budgets, (3, 640, 640),
+            self.local_path = PathGraphs("local", forward_local, local_budgets,
+                                         (3, tiling.crop_size, tiling.crop_size),
                                          encoder.device, use_graphs, left, compile_also=views)
         self.planner = Planner(global_budgets, local_budgets, max_images)
         self._side = None  # the global path's CUDA stream when both paths run (_run_both)
@@ -272,13 +277,13 @@ class DualPathEncoder:
             images = [images]
         prepare = decode if self.views_on_device else preprocess
         # Page-locked on a GPU: the pixels' copy there is a DMA, not a stall of this thread.
-        pin = PIN_HOST_VIEWS and self.encoder.device.type == "cuda"
+        options = dict(mode=mode, max_crops=max_crops, tiling=self.encoder.tiling,
+                       pin_memory=PIN_HOST_VIEWS and self.encoder.device.type == "cuda")
         if len(images) <= 1:
-            items = [prepare(image, mode=mode, max_crops=max_crops, pin_memory=pin) for image in images]
+            items = [prepare(image, **options) for image in images]
         else:  # decoding (and PIL's resizes) dominate for pages and release the GIL: threads
             with ThreadPoolExecutor(max_workers=min(len(images), os.cpu_count() or 1, 16)) as pool:
-                items = list(pool.map(lambda image: prepare(image, mode=mode, max_crops=max_crops,
-                                                            pin_memory=pin), images))
+                items = list(pool.map(lambda image: prepare(image, **options), images))
         if self.views_on_device:
             items = [views_of(item, self.encoder.device, exact=True) for item in items]
         return self.encode(items)
@@ -304,8 +309,8 @@ class DualPathEncoder:
             crops: list[torch.Tensor | None]) -> list[PathTokens]:
         """A queue of images' views -> their tokens, in queue order.
 
-        Image i sends `global_views[i]` (uint8 [3, S, S]) and/or `crops[i]` (uint8 [P, 3, 640,
-        640]); None where it sends nothing to that path. Global views of one size are planned
+        Image i sends `global_views[i]` (uint8 [3, S, S]) and/or `crops[i]` (uint8 [P, 3, C, C],
+        C the family's crop side); None where it sends nothing to that path. Global views of one size are planned
         together (other modes make 512/640/1280 views); each planned batch runs both paths."""
         if len(global_views) != len(crops):
             raise ValueError(f"{len(global_views)} global-view entries for {len(crops)} crop entries")

@@ -9,12 +9,11 @@ import struct
 from dataclasses import dataclass
 
 from .decoding import MAX_IMAGE_PIXELS, DecodedImage, _opened, decode
-from .tiling import (DEFAULT_MAX_CROPS, MAX_CROPS_LIMIT, ImageError, _grid_and_tokens, _Tiling,
-                     check_view_options)
+from .tiling import DEEPSEEK_OCR, DEFAULT_MAX_CROPS, ImageError, Tiling, _Gridded
 
 
 @dataclass(frozen=True, eq=False)
-class ImageHeader(_Tiling):
+class ImageHeader(_Gridded):
     """A PNG's or JPEG's bytes with what their header says (no pixel decoded): the image's size
     as a person sees it (EXIF orientation applied), its grid and token count. A router sends
     this, and the encoder decodes `data` (`decode_header`)."""
@@ -24,6 +23,7 @@ class ImageHeader(_Tiling):
     num_tokens: int
     mode: str
     original_size: tuple[int, int]
+    tiling: Tiling = DEEPSEEK_OCR  # the model family it was measured for
 
 
 # EXIF orientations that swap width and height (transposes and quarter turns).
@@ -35,13 +35,14 @@ def read_header(
     mode: str = "gundam",
     max_crops: int = DEFAULT_MAX_CROPS,
     max_pixels: int = MAX_IMAGE_PIXELS,
+    tiling: Tiling = DEEPSEEK_OCR,
 ) -> ImageHeader | None:
     """`image`'s sizes from its header alone, as `decode` would find them: for JPEG bytes (their
     EXIF and XMP orientation are in the header) and PNG bytes with no chunk that can orient
     them (an eXIf or XMP chunk may follow the pixel data: None then, as for every other input).
     The same errors as `decode` for bytes it refuses from the header (an unknown format, too
     many pixels); pixel data it has not read can still fail to decode."""
-    view_mode = check_view_options(mode, max_crops)
+    view_mode = tiling.check(mode, max_crops)
     if not isinstance(image, (bytes, bytearray, memoryview)):
         return None
     data = bytes(image)
@@ -57,7 +58,8 @@ def read_header(
         width, height = img.size
     if exif.get(0x0112, 1) in _SWAPPING_ORIENTATIONS:  # ExifTags.Base.Orientation
         width, height = height, width
-    return ImageHeader(data, *_grid_and_tokens(width, height, view_mode, max_crops), mode, (width, height))
+    return ImageHeader(data, *tiling.grid_and_tokens(width, height, view_mode, max_crops), mode,
+                       (width, height), tiling)
 
 
 # PNG chunks from which Pillow may read an orientation (`Image.getexif`): EXIF, and XMP or raw
@@ -83,7 +85,8 @@ def _png_may_orient(data: bytes) -> bool:
 def decode_header(header: ImageHeader, max_pixels: int = MAX_IMAGE_PIXELS, grey: bool = True) -> DecodedImage:
     """Decode the image a header was read from: `decode`'s pixels, with the header's grid; an
     ImageError if the decoded size is not the header's."""
-    decoded = decode(header.data, header.mode, MAX_CROPS_LIMIT, max_pixels, grey)
+    decoded = decode(header.data, header.mode, header.tiling.max_crops_limit, max_pixels, grey,
+                     tiling=header.tiling)
     if decoded.original_size != header.original_size:
         raise ImageError(f"decoded image is {decoded.original_size[0]}x{decoded.original_size[1]}, "
                          f"its header said {header.original_size[0]}x{header.original_size[1]}")

@@ -20,6 +20,7 @@ from .config import EncoderArgs
 from .derived import derived_table
 from .relpos_attention import (default_impl, relpos_attention, triton_enabled, windowed_relpos_attention,
                                windows_in_kernel)
+from .tiling import DEEPSEEK_OCR
 from .views import normalize
 
 # LayerNorms (and the residual add before one) and CLIP's quick_gelu in Triton kernels where
@@ -391,6 +392,8 @@ class DeepEncoder(nn.Module):
     Pixels enter as uint8 [B, 3, S, S] and are normalised here, on the encoder's device, so
     only uint8 crosses process boundaries; float input is taken as already normalised.
     """
+
+    tiling = DEEPSEEK_OCR  # its views: 640² crops, newline tokens
 
     def __init__(self, args: EncoderArgs):
         super().__init__()

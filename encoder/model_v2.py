@@ -19,6 +19,7 @@ from torch import nn
 from .config import EncoderV2Args
 from .model import Projector, Sam, patch_kernel_takes
 from .qwen2_model import Qwen2Encoder
+from .tiling import DEEPSEEK_OCR_2
 from .views import normalize
 
 
@@ -28,6 +29,8 @@ class DeepEncoderV2(nn.Module):
     Pixels enter as uint8 [B, 3, S, S] and are normalised here, on the encoder's device;
     float input is taken as already normalised.
     """
+
+    tiling = DEEPSEEK_OCR_2  # its views: 768² crops, no newline tokens
 
     def __init__(self, args: EncoderV2Args):
         super().__init__()

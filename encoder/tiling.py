@@ -1,8 +1,9 @@
-"""DeepSeek-OCR's tiling maths: the view modes, the grid of 640x640 crops an image is cut into,
-and how many tokens an image's views hold. No pixels here: this reproduces the reference's HF
-``dynamic_preprocess`` / ``find_closest_aspect_ratio`` and the view modes of the vLLM / SGLang
-integrations, so that the grid and the token count are exactly the model's. DeepSeek-OCR-2's
-rule (768x768 crops, 2-6 of them, no newline tokens) is at the end (`ocr2_grid`)."""
+"""The tiling maths of the DeepSeek-OCR family: the view modes, the grid of crops an image is
+cut into, and how many tokens an image's views hold, per family (`Tiling`: DEEPSEEK_OCR's 640x640
+crops with newline tokens, DEEPSEEK_OCR_2's 768x768 crops without). No pixels here: this
+reproduces the reference's HF ``dynamic_preprocess`` / ``find_closest_aspect_ratio`` and the view
+modes of the vLLM / SGLang integrations, so that the grid and the token count are exactly the
+model's."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ MODES: dict[str, ViewMode] = {
 }
 
 
-class _Tiling:
+class _Gridded:
     """`tiled` of an image measured into a grid of crops."""
 
     grid: tuple[int, int]
@@ -142,43 +143,89 @@ def choose_grid(
     return best
 
 
+@dataclass(frozen=True)
+class Tiling:
+    """One model family's views: the modes it was trained with, its crops' side and count, and
+    how its sequence lays out tokens. The encoder knows its own (`DeepEncoder.tiling`,
+    `DeepEncoderV2.tiling`); the images made for it carry it, so an encoder can refuse an image
+    tiled for another family.
+
+    Both families choose the grid by the same rule (`choose_grid`) with their own crop side;
+    an image whose sides both fit one crop is not tiled."""
+
+    name: str
+    crop_size: int  # side of a crop, in pixels
+    max_crops_limit: int  # the most crops a request may ask for
+    default_max_crops: int
+    modes: tuple[str, ...]  # of MODES
+    newlines: bool  # a newline token after each row of tokens (DeepSeek-OCR), or none
+
+    @property
+    def crop_tokens(self) -> int:
+        """Tokens one crop's view becomes (before newlines)."""
+        return (self.crop_size // _PIXELS_PER_TOKEN_SIDE) ** 2
+
+    def view_tokens(self, base_size: int) -> int:
+        """Tokens a global view of this side becomes, its newlines included."""
+        n = math.ceil(base_size / _PIXELS_PER_TOKEN_SIDE)
+        return n * (n + 1) if self.newlines else n * n
+
+    def check(self, mode, max_crops) -> ViewMode:
+        """The view mode named `mode`; ImageError naming the value when `mode` or `max_crops`
+        is not one this family takes."""
+        if not isinstance(mode, str) or mode not in self.modes:
+            raise ImageError(f"unknown mode {mode!r}; valid modes: {', '.join(self.modes)}"
+                             + ("" if self is DEEPSEEK_OCR else f" ({self.name})"))
+        is_int = isinstance(max_crops, int) and not isinstance(max_crops, bool)
+        if not is_int or not MIN_CROPS <= max_crops <= self.max_crops_limit:
+            raise ImageError(f"max_crops must be an int in {MIN_CROPS}..{self.max_crops_limit}"
+                             + ("" if self is DEEPSEEK_OCR else f" for {self.name}")
+                             + f", got {max_crops!r}")
+        return MODES[mode]
+
+    def grid(self, width: int, height: int, view_mode: ViewMode, max_crops: int) -> tuple[int, int]:
+        """The crop grid of an image this size: untiled where the mode does not crop or the
+        image fits one crop."""
+        if view_mode.crop and (width > self.crop_size or height > self.crop_size):
+            return choose_grid(width, height, max_crops, crop_size=self.crop_size)
+        return (1, 1)
+
+    def count_tokens(self, grid: tuple[int, int], base_size: int = 1024) -> int:
+        """Exact number of image tokens the model's sequence holds for one image: its global
+        view's, one view separator, and when tiled its crops' (DeepSeek-OCR: stitched into one
+        token grid with a newline after each row; DeepSeek-OCR-2: each crop's as they are)."""
+        w_tiles, h_tiles = grid
+        tokens = self.view_tokens(base_size) + 1
+        if (w_tiles, h_tiles) != (1, 1):
+            m = math.ceil(self.crop_size / _PIXELS_PER_TOKEN_SIDE)
+            tokens += (m * h_tiles) * (m * w_tiles + 1) if self.newlines else m * m * w_tiles * h_tiles
+        return tokens
+
+    def grid_and_tokens(self, width: int, height: int, view_mode: ViewMode,
+                        max_crops: int) -> tuple[tuple[int, int], int]:
+        grid = self.grid(width, height, view_mode, max_crops)
+        return grid, self.count_tokens(grid, view_mode.base_size)
+
+
+# DeepSeek-OCR: five modes, 640² crops, 2-9 of them (DeepSeek's HF code allows up to 9;
+# vLLM/SGLang use 6), newline tokens.
+DEEPSEEK_OCR = Tiling("deepseek-ocr", CROP_SIZE, MAX_CROPS_LIMIT, DEFAULT_MAX_CROPS, tuple(MODES), True)
+
+
 def count_tokens(grid: tuple[int, int], base_size: int = 1024, crop_size: int = CROP_SIZE) -> int:
-    """Exact number of image tokens the model sequence holds for one image.
-
-    Global view: n rows of n tokens, each row followed by a newline token,
-    plus one view-separator token (n = ceil(base_size / 64)).  When tiled, the
-    crops form one (m*h_t) x (m*w_t) token grid, again with a newline per row
-    (m = ceil(crop_size / 64)).
-    """
-    w_tiles, h_tiles = grid
-    n = math.ceil(base_size / _PIXELS_PER_TOKEN_SIDE)
-    tokens = n * (n + 1) + 1
-    if (w_tiles, h_tiles) != (1, 1):
-        m = math.ceil(crop_size / _PIXELS_PER_TOKEN_SIDE)
-        tokens += (m * h_tiles) * (m * w_tiles + 1)
-    return tokens
+    """DeepSeek-OCR's image tokens for one image (`Tiling.count_tokens`): the global view, n
+    rows of n tokens each followed by a newline token, plus one view-separator token (n =
+    ceil(base_size / 64)); when tiled, the crops' one (m*h_t) x (m*w_t) token grid, again with
+    a newline per row (m = ceil(crop_size / 64))."""
+    tiling = DEEPSEEK_OCR if crop_size == CROP_SIZE else Tiling(
+        "deepseek-ocr", crop_size, MAX_CROPS_LIMIT, DEFAULT_MAX_CROPS, tuple(MODES), True)
+    return tiling.count_tokens(grid, base_size)
 
 
-def check_view_options(mode, max_crops) -> ViewMode:
-    """The view mode named `mode`; ImageError naming the value when `mode` or `max_crops` is bad."""
-    if not isinstance(mode, str) or mode not in MODES:
-        raise ImageError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
-    is_int = isinstance(max_crops, int) and not isinstance(max_crops, bool)
-    if not is_int or not MIN_CROPS <= max_crops <= MAX_CROPS_LIMIT:
-        raise ImageError(
-            f"max_crops must be an int in {MIN_CROPS}..{MAX_CROPS_LIMIT}, got {max_crops!r}"
-        )
-    return MODES[mode]
-
-
-def _grid_and_tokens(width: int, height: int, view_mode: ViewMode,
-                     max_crops: int) -> tuple[tuple[int, int], int]:
-    """The crop grid of an image this size (untiled where the mode does not crop or the image
-    fits one crop) and its token count."""
-    grid = (1, 1)
-    if view_mode.crop and (width > CROP_SIZE or height > CROP_SIZE):
-        grid = choose_grid(width, height, max_crops)
-    return grid, count_tokens(grid, base_size=view_mode.base_size, crop_size=CROP_SIZE)
+def check_view_options(mode, max_crops, tiling: Tiling | None = None) -> ViewMode:
+    """The view mode named `mode`; ImageError naming the value when `mode` or `max_crops` is
+    bad for `tiling` (default: DeepSeek-OCR's)."""
+    return (tiling or DEEPSEEK_OCR).check(mode, max_crops)
 
 
 # ---------------------------------------------------------------------------
@@ -189,7 +236,8 @@ def _grid_and_tokens(width: int, height: int, view_mode: ViewMode,
 # a 1400x1120 page is (2, 2) here and (3, 2) with 640 tiles), MIN_CROPS 2,
 # MAX_CROPS 6 ("max:6": what it was trained with), and no crops when both
 # sides are <= 768. Every view becomes as many tokens as its learned queries:
-# (side / 64)² -- 256 for the global view, 144 per crop.
+# (side / 64)² -- 256 for the global view, 144 per crop. Its one view layout is
+# gundam's (crops) or, without crops, base's (its CROP_MODE false).
 
 OCR2_BASE_SIZE = 1024
 OCR2_CROP_SIZE = 768
@@ -197,6 +245,8 @@ OCR2_MIN_CROPS = 2
 OCR2_MAX_CROPS = 6
 OCR2_GLOBAL_TOKENS = (OCR2_BASE_SIZE // _PIXELS_PER_TOKEN_SIDE) ** 2  # query_1024: 256
 OCR2_CROP_TOKENS = (OCR2_CROP_SIZE // _PIXELS_PER_TOKEN_SIDE) ** 2  # query_768: 144
+DEEPSEEK_OCR_2 = Tiling("deepseek-ocr-2", OCR2_CROP_SIZE, OCR2_MAX_CROPS, OCR2_MAX_CROPS,
+                        ("gundam", "base"), False)
 
 
 def ocr2_grid(width: int, height: int, max_crops: int = OCR2_MAX_CROPS) -> tuple[int, int]:
@@ -207,16 +257,10 @@ def ocr2_grid(width: int, height: int, max_crops: int = OCR2_MAX_CROPS) -> tuple
     if not OCR2_MIN_CROPS <= max_crops <= OCR2_MAX_CROPS:
         raise ValueError(f"max_crops must be in {OCR2_MIN_CROPS}..{OCR2_MAX_CROPS} for "
                          f"DeepSeek-OCR-2, got {max_crops!r}")
-    if width <= OCR2_CROP_SIZE and height <= OCR2_CROP_SIZE:
-        return (1, 1)
-    return choose_grid(width, height, max_crops, OCR2_MIN_CROPS, crop_size=OCR2_CROP_SIZE)
+    return DEEPSEEK_OCR_2.grid(width, height, MODES["gundam"], max_crops)
 
 
 def ocr2_count_tokens(grid: tuple[int, int]) -> int:
     """DeepSeek-OCR-2's image tokens for one image: 144 per crop (when tiled), 256 for the
     global view, one view separator."""
-    w_tiles, h_tiles = grid
-    tokens = OCR2_GLOBAL_TOKENS + 1
-    if (w_tiles, h_tiles) != (1, 1):
-        tokens += OCR2_CROP_TOKENS * w_tiles * h_tiles
-    return tokens
+    return DEEPSEEK_OCR_2.count_tokens(grid)

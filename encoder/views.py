@@ -21,7 +21,7 @@ from PIL import Image, ImageOps
 from .decoding import MAX_IMAGE_PIXELS, DecodedImage, _decode, page_locked
 from .resize import resize
 from .resize import supported as resize_supported
-from .tiling import CROP_SIZE, DEFAULT_MAX_CROPS, MODES, ViewMode, _Tiling
+from .tiling import CROP_SIZE, DEEPSEEK_OCR, DEFAULT_MAX_CROPS, MODES, Tiling, ViewMode, _Gridded
 
 # Grey used by the reference to pad the global view (mean pixel, 0.5 * 255).
 _PAD_COLOR = (127, 127, 127)
@@ -30,13 +30,14 @@ _PAD_COLOR = (127, 127, 127)
 # eq=False: the fields are tensors, and a generated __eq__ comparing tensors
 # would raise ("Boolean value of Tensor ... is ambiguous").
 @dataclass(frozen=True, eq=False)
-class PreprocessedImage(_Tiling):
+class PreprocessedImage(_Gridded):
     global_view: torch.Tensor  # uint8 [3, S, S], S = mode's base size
-    crops: torch.Tensor  # uint8 [P, 3, 640, 640]; P = 0 when not tiled
+    crops: torch.Tensor  # uint8 [P, 3, C, C] (C: the family's crop side); P = 0 when not tiled
     grid: tuple[int, int]  # (width tiles, height tiles); (1, 1) when not tiled
     num_tokens: int  # length of this image's token sequence
     mode: str
     original_size: tuple[int, int]  # (width, height) after EXIF transpose
+    tiling: Tiling = DEEPSEEK_OCR  # the model family its views were made for
 
 
 # ---------------------------------------------------------------------------
@@ -51,10 +52,12 @@ def preprocess(
     max_pixels: int = MAX_IMAGE_PIXELS,
     grey: bool = True,
     pin_memory: bool = False,
+    tiling: Tiling = DEEPSEEK_OCR,
 ) -> PreprocessedImage:
-    """Decode ``image`` and build its global view (and, in gundam mode, local crops).
-    `pin_memory`: the views in page-locked memory where a CUDA device is present (`page_locked`)."""
-    item = start_preprocess(image, mode, max_crops, max_pixels, grey).result()
+    """Decode ``image`` and build its global view (and, in gundam mode, local crops) for the
+    model family `tiling`. `pin_memory`: the views in page-locked memory where a CUDA device
+    is present (`page_locked`)."""
+    item = start_preprocess(image, mode, max_crops, max_pixels, grey, tiling).result()
     if not pin_memory:
         return item
     return dataclasses.replace(item, global_view=page_locked(item.global_view), crops=page_locked(item.crops))
@@ -70,13 +73,15 @@ class PendingImage:
     num_tokens: int
     mode: str
     original_size: tuple[int, int]
-    crops: Future | None  # the uint8 [P, 3, 640, 640] tiles; None when not tiled
+    crops: Future | None  # the uint8 [P, 3, C, C] tiles; None when not tiled
+    tiling: Tiling = DEEPSEEK_OCR
 
     def result(self) -> PreprocessedImage:
+        side = self.tiling.crop_size
         crops = (self.crops.result() if self.crops is not None
-                 else torch.empty((0, 3, CROP_SIZE, CROP_SIZE), dtype=torch.uint8))
+                 else torch.empty((0, 3, side, side), dtype=torch.uint8))
         return PreprocessedImage(self.global_view, crops, self.grid, self.num_tokens, self.mode,
-                                 self.original_size)
+                                 self.original_size, self.tiling)
 
 
 def start_preprocess(
@@ -85,16 +90,17 @@ def start_preprocess(
     max_crops: int = DEFAULT_MAX_CROPS,
     max_pixels: int = MAX_IMAGE_PIXELS,
     grey: bool = True,
+    tiling: Tiling = DEEPSEEK_OCR,
 ) -> PendingImage:
     """Like `preprocess`, but returns once the global view is built; the crops follow.
     `grey`: resize a grey image (R == G == B at every pixel: scans, rendered text) as one
     channel, the same pixels for about half the CPU; False: always three (the reference)."""
-    img, view_mode, grid, num_tokens = _decode(image, mode, max_crops, max_pixels, grey)
+    img, view_mode, grid, num_tokens = _decode(image, mode, max_crops, max_pixels, grey, tiling)
     tiles = None
     if grid != (1, 1):
         # The two resizes of a page (~30 ms each) are independent and PIL releases the GIL
         # while resampling: tile on a helper thread while this one builds the global view.
-        tiles = _resize_threads().submit(_tile, img, grid)
+        tiles = _resize_threads().submit(_tile, img, grid, tiling.crop_size)
     return PendingImage(
         global_view=_pil_global_view(img, view_mode),
         grid=grid,
@@ -102,6 +108,7 @@ def start_preprocess(
         mode=mode,
         original_size=img.size,
         crops=tiles,
+        tiling=tiling,
     )
 
 
@@ -134,14 +141,15 @@ def _pil_global_view(img: Image.Image, view_mode: ViewMode) -> torch.Tensor:
     return _to_chw_uint8(_pad_to_square(img, size) if view_mode.pad else _stretch_to_square(img, size))
 
 
-def _tile(img: Image.Image, grid: tuple[int, int]) -> torch.Tensor:
-    """Resize to the grid (aspect not kept, as in the reference) and cut row-major tiles."""
+def _tile(img: Image.Image, grid: tuple[int, int], side: int = CROP_SIZE) -> torch.Tensor:
+    """Resize to the grid of `side`² tiles (aspect not kept, as in the reference) and cut
+    row-major tiles."""
     w_tiles, h_tiles = grid
-    resized = img.resize((CROP_SIZE * w_tiles, CROP_SIZE * h_tiles), Image.BICUBIC)
+    resized = img.resize((side * w_tiles, side * h_tiles), Image.BICUBIC)
     tiles = []
     for k in range(w_tiles * h_tiles):
         col, row = k % w_tiles, k // w_tiles
-        box = (col * CROP_SIZE, row * CROP_SIZE, (col + 1) * CROP_SIZE, (row + 1) * CROP_SIZE)
+        box = (col * side, row * side, (col + 1) * side, (row + 1) * side)
         tiles.append(_to_chw_uint8(resized.crop(box)))
     return torch.stack(tiles)
 
@@ -211,16 +219,18 @@ def _contained_size(width: int, height: int, size: int) -> tuple[int, int]:
     return size, size
 
 
-def crops_of(pixels: torch.Tensor, grid: tuple[int, int], exact: bool | None = None) -> torch.Tensor:
-    """The crops [P, 3, 640, 640] of decoded pixels [C, H, W], on their device: the pixels of
-    `preprocess(...).crops` (resize to the grid, row-major tiles); `exact` as global_view_of."""
+def crops_of(pixels: torch.Tensor, grid: tuple[int, int], exact: bool | None = None,
+             side: int = CROP_SIZE) -> torch.Tensor:
+    """The crops [P, 3, side, side] of decoded pixels [C, H, W], on their device: the pixels of
+    `preprocess(...).crops` (resize to the grid, row-major tiles); `exact` as global_view_of;
+    `side`: the family's crop side (`Tiling.crop_size`)."""
     if not _use_exact(pixels, exact):
-        return _tile(_pil_image(pixels), grid).to(pixels.device)
+        return _tile(_pil_image(pixels), grid, side).to(pixels.device)
     w_tiles, h_tiles = grid
-    resized = resize(pixels, (CROP_SIZE * w_tiles, CROP_SIZE * h_tiles))
+    resized = resize(pixels, (side * w_tiles, side * h_tiles))
     c = resized.shape[0]
-    tiles = resized.view(c, h_tiles, CROP_SIZE, w_tiles, CROP_SIZE).permute(1, 3, 0, 2, 4)
-    tiles = tiles.reshape(w_tiles * h_tiles, c, CROP_SIZE, CROP_SIZE)
+    tiles = resized.view(c, h_tiles, side, w_tiles, side).permute(1, 3, 0, 2, 4)
+    tiles = tiles.reshape(w_tiles * h_tiles, c, side, side)
     return tiles.expand(-1, 3, -1, -1).contiguous() if c == 1 else tiles.contiguous()
 
 
@@ -232,10 +242,11 @@ def views_of(decoded: DecodedImage, device=None, exact: bool | None = None) -> P
     """`preprocess`'s result from a decoded image, the views made on `device` (default: where
     the pixels are); `exact` as global_view_of."""
     pixels = decoded.pixels if device is None else decoded.pixels.to(device, non_blocking=True)
-    crops = (crops_of(pixels, decoded.grid, exact) if decoded.tiled else
-             torch.empty((0, 3, CROP_SIZE, CROP_SIZE), dtype=torch.uint8, device=pixels.device))
+    side = decoded.tiling.crop_size
+    crops = (crops_of(pixels, decoded.grid, exact, side) if decoded.tiled else
+             torch.empty((0, 3, side, side), dtype=torch.uint8, device=pixels.device))
     return PreprocessedImage(global_view_of(pixels, decoded.mode, exact), crops, decoded.grid,
-                             decoded.num_tokens, decoded.mode, decoded.original_size)
+                             decoded.num_tokens, decoded.mode, decoded.original_size, decoded.tiling)
 
 
 def normalize(pixels: torch.Tensor) -> torch.Tensor:

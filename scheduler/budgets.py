@@ -87,15 +87,16 @@ def fill_gaps(units: list[int], growth: float) -> list[int]:
     return out
 
 
-def default_budgets(max_images: int = 32, max_crops_per_image: int = 6,
-                    growth: float = 1.5) -> tuple[PathBudgets, PathBudgets]:
+def default_budgets(max_images: int = 32, max_crops_per_image: int = 6, growth: float = 1.5,
+                    global_unit: int = GLOBAL_UNIT_TOKENS,
+                    local_unit: int = LOCAL_UNIT_TOKENS) -> tuple[PathBudgets, PathBudgets]:
     """Global path: geometric up to `max_images` views. Local path: aligned to pages, i.e. the
     small geometric steps up to one image's crops plus `max_crops_per_image` times every global
     capacity (a batch of k fully tiled pages fits exactly when k is a global capacity), with
-    gaps filled so no step exceeds `growth`."""
+    gaps filled so no step exceeds `growth`. Units: DeepSeek-OCR's by default (DeepSeek-OCR-2:
+    256 per global view, 144 per 768² crop)."""
     global_units = geometric_units(max_images, growth)
     local_units = sorted(set(geometric_units(max_crops_per_image, growth))
                          | {max_crops_per_image * g for g in global_units})
-    return (PathBudgets("global", GLOBAL_UNIT_TOKENS, tuple(u * GLOBAL_UNIT_TOKENS for u in global_units)),
-            PathBudgets("local", LOCAL_UNIT_TOKENS,
-                        tuple(u * LOCAL_UNIT_TOKENS for u in fill_gaps(local_units, growth))))
+    return (PathBudgets("global", global_unit, tuple(u * global_unit for u in global_units)),
+            PathBudgets("local", local_unit, tuple(u * local_unit for u in fill_gaps(local_units, growth))))

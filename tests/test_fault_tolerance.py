@@ -109,10 +109,12 @@ def test_router_with_the_encoder_inside_fails_its_health_check_with_the_encoder(
     health check is the encoder's, so a CUDA fault in a batch gets the Router (and with it the
     encoder) replaced."""
     from deployments.config import AppConfig
+    from deployments.placement import ModelTiers
     from deployments.router import Router
     router_class = Router.func_or_class.__bases__[0]  # the class under Serve's ASGI wrapper
-    router = router_class(None, None, None, AppConfig(encoder_in_router=True, encode_only=True,
-                                                      encoder_cache_mb=0))  # every call encodes
+    config = AppConfig(encoder_in_router=True, encode_only=True, encoder_cache_mb=0)  # every call encodes
+    (model,) = config.served_models()
+    router = router_class([ModelTiers(model, None, None, None)], config)
     asyncio.run(router.check_health())  # healthy
     assert router.stats()["encoder"]["path"] == "both"
 
@@ -122,7 +124,7 @@ def test_router_with_the_encoder_inside_fails_its_health_check_with_the_encoder(
     async def encode_then_fault():  # one event loop, as in the replica
         (seq,) = await router.encode(page.getvalue())  # through the encoder in this process
         assert seq.shape[0] == 903  # 2x3 crops
-        monkeypatch.setattr(router.pipeline.encoder.replica.engine, "run", cuda_fault)
+        monkeypatch.setattr(router._pipeline(None).encoder.replica.engine, "run", cuda_fault)
         with pytest.raises(RuntimeError, match="illegal memory access"):
             await router.encode(page.getvalue())
     asyncio.run(encode_then_fault())

@@ -2,8 +2,11 @@
 requests choosing by `model` through HTTP, the OpenAI client and handles; an unknown model
 answers 404 in the envelope; the single-model app is unchanged (every other test runs it)."""
 import base64
+import dataclasses
+import json
 
 import pytest
+import torch
 
 from deployments.config import AppConfig
 from tests.helpers import png
@@ -43,6 +46,20 @@ def test_served_model_name_and_models_do_not_mix():
         AppConfig(served_model_name="x", models=[{"name": "a"}])
 
 
+def test_a_checkpoint_whose_halves_disagree_is_refused_when_the_app_is_built(tmp_path):
+    from deployments.app import build
+    from deployments.model_source import write_random_model
+    from encoder import EncoderV2Args
+    with pytest.raises(ValueError, match="vision projector's width 80 must be the language model's 64"):
+        write_random_model(tmp_path / "w", vision=EncoderV2Args.tiny())
+    directory = write_random_model(tmp_path / "c")
+    config = json.loads((tmp_path / "c" / "config.json").read_text())
+    config["language_config"]["hidden_size"] = 128
+    (tmp_path / "c" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="makes 64-wide tokens but its language model is 128 wide"):
+        build(AppConfig(checkpoint=directory))
+
+
 def test_corpus_requests_name_the_model_only_when_asked():
     from corpus.run import RunOptions
     assert "model" not in RunOptions().keyed()  # manifests written before keep their keys
@@ -51,64 +68,84 @@ def test_corpus_requests_name_the_model_only_when_asked():
 
 # -- served -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def two_models(serve_app):
-    """Two models on the tiny checkpoint (the same weights: the same answers), placed apart:
-    `a` on two path encoders, `b` on one Encoder."""
+def ocr2_checkpoint(tmp_path_factory):
+    """A tiny random DeepSeek-OCR-2 checkpoint in the released layout."""
+    from decoder import DecoderArgs
+    from deployments.model_source import write_random_model
+    from encoder import EncoderV2Args
+    vision = dataclasses.replace(EncoderV2Args.tiny(), n_embed=DecoderArgs.tiny().hidden)
+    return write_random_model(tmp_path_factory.mktemp("ocr2"), vision=vision, seed=5)
+
+
+@pytest.fixture(scope="module")
+def three_models(serve_app, ocr2_checkpoint):
+    """DeepSeek-OCR's tiny model as `a` (two path encoders), and one DeepSeek-OCR-2 checkpoint
+    twice: `b` on two path encoders (the router lays the sequence out), `c` on one Encoder."""
     from ray import serve
 
     from deployments.app import build
     app = build(AppConfig(max_len=2048, max_images=4, models=[
-        {"name": "a"}, {"name": "b", "one_encoder": True}]))
+        {"name": "a"}, {"name": "b", "checkpoint": ocr2_checkpoint},
+        {"name": "c", "checkpoint": ocr2_checkpoint, "one_encoder": True}]))
     yield serve.run(app, name="models", route_prefix="/models")
     serve.delete("models")
 
 
 @pytest.mark.slow
-def test_requests_choose_their_model(two_models):
+def test_requests_choose_their_model(three_models, ocr2_checkpoint):
     requests = pytest.importorskip("requests")
     openai = pytest.importorskip("openai")
     from ray import serve
 
+    from encoder import DEEPSEEK_OCR_2, DualPathEncoder, decode, load_encoder
     from tests.conftest import SERVE_URL
     url = f"{SERVE_URL}/models"
     deployments = set(serve.status().applications["models"].deployments)
-    assert deployments == {"Router", "GlobalEncoder-a", "LocalEncoder-a", "Decoder-a", "Encoder-b", "Decoder-b"}
-    assert [m["id"] for m in requests.get(f"{url}/v1/models", timeout=60).json()["data"]] == ["a", "b"]
+    assert deployments == {"Router", "GlobalEncoder-a", "LocalEncoder-a", "Decoder-a", "GlobalEncoder-b",
+                           "LocalEncoder-b", "Decoder-b", "Encoder-c", "Decoder-c"}
+    assert [m["id"] for m in requests.get(f"{url}/v1/models", timeout=60).json()["data"]] == ["a", "b", "c"]
     assert requests.get(f"{url}/v1/models/b", timeout=60).json()["id"] == "b"
     ready = requests.get(f"{url}/ready", timeout=60).json()
     assert ready["status"] == "ready" and set(ready["tiers"]) == deployments - {"Router"}
 
+    ocr2_tokens = DEEPSEEK_OCR_2.count_tokens(decode(IMAGE, tiling=DEEPSEEK_OCR_2).grid)
     body = {"image": base64.b64encode(IMAGE).decode(), "max_tokens": 6}
     answers = {}
-    for model in (None, "a", "b"):
+    for model, tokens in ((None, 893), ("a", 893), ("b", ocr2_tokens), ("c", ocr2_tokens)):
         response = requests.post(f"{url}/v1/ocr", json={**body, **({"model": model} if model else {})},
                                  timeout=300)
         assert response.status_code == 200, response.text
         answers[model] = response.json()
-        assert answers[model]["model"] == (model or "a") and answers[model]["usage"]["image_tokens"] == 893
-    assert answers["a"]["text"] == answers["b"]["text"]  # the same weights, either placement
+        assert answers[model]["model"] == (model or "a") and answers[model]["usage"]["image_tokens"] == tokens
+    assert answers["b"]["text"] == answers["c"]["text"]  # one checkpoint, either placement
+    for field, value in (("mode", "tiny"), ("max_crops", 9)):  # DeepSeek-OCR-2's own limits
+        response = requests.post(f"{url}/v1/ocr", json={**body, "model": "b", field: value}, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     image_url = {"url": "data:image/png;base64," + body["image"]}
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": image_url},
                                              {"type": "text", "text": "Free OCR."}]}]
-    chat = client.chat.completions.create(model="b", messages=messages, max_tokens=6)
-    assert chat.model == "b"
+    chat = client.chat.completions.create(model="c", messages=messages, max_tokens=6)
+    assert chat.model == "c"
     with pytest.raises(openai.NotFoundError) as missing:
-        client.chat.completions.create(model="c", messages=messages, max_tokens=6)
+        client.chat.completions.create(model="d", messages=messages, max_tokens=6)
     assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
 
-    for response in (requests.post(f"{url}/v1/ocr", json={**body, "model": "c"}, timeout=60),
-                     requests.get(f"{url}/v1/models/c", timeout=60)):
+    for response in (requests.post(f"{url}/v1/ocr", json={**body, "model": "d"}, timeout=60),
+                     requests.get(f"{url}/v1/models/d", timeout=60)):
         assert response.status_code == 404
         error = response.json()["error"]
-        assert error["code"] == "model_not_found" and "'a', 'b'" in error["message"]
+        assert error["code"] == "model_not_found" and "'a', 'b', 'c'" in error["message"]
 
-    got = two_models.ocr.remote(IMAGE, max_tokens=6, model="b").result(timeout_s=300)
-    assert got["model"] == "b" and got["text"] == answers["b"]["text"]
-    (seq_a,) = two_models.encode.remote(IMAGE).result(timeout_s=300)
-    (seq_b,) = two_models.encode.remote(IMAGE, model="b").result(timeout_s=300)
-    assert seq_a.shape == seq_b.shape == (893, seq_a.shape[1])
+    got = three_models.ocr.remote(IMAGE, max_tokens=6, model="c").result(timeout_s=300)
+    assert got["model"] == "c" and got["text"] == answers["c"]["text"]
+    (seq_a,) = three_models.encode.remote(IMAGE).result(timeout_s=300)
+    assert seq_a.shape[0] == 893
+    (want,) = DualPathEncoder(load_encoder(ocr2_checkpoint)).encode_images([IMAGE])
+    for model in ("b", "c"):  # the router's layout and the Encoder's equal the engine in process
+        (seq,) = three_models.encode.remote(IMAGE, model=model).result(timeout_s=300)
+        torch.testing.assert_close(seq, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(Exception, match="not served here"):
-        two_models.ocr.remote(IMAGE, model="c").result(timeout_s=60)
-    assert two_models.stats.remote("b").result()["model"] == "b"
+        three_models.ocr.remote(IMAGE, model="d").result(timeout_s=60)
+    assert three_models.stats.remote("b").result()["model"] == "b"

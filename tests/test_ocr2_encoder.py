@@ -5,14 +5,13 @@ import pytest
 import torch
 
 from common.checkpoint import meta_module
-from encoder import (DeepEncoderV2, EncoderV2Args, load_encoder, preprocess_ocr2, random_encoder,
-                     write_random_checkpoint)
+from encoder import DeepEncoderV2, EncoderV2Args, load_encoder, random_encoder, write_random_checkpoint
 from encoder.checkpoint import vision_shapes
 from encoder.qwen2_model import causal_flow_mask
 from encoder.views import normalize
 from tests import reference_ocr2 as ref
 from tests.helpers import rel_err
-from tests.test_ocr2_tiling import noise
+from tests.test_ocr2_tiling import noise, preprocess_ocr2
 
 # Real head dims (SAM 64, Qwen2 64) and grouped key/value heads (2, as the release), reduced
 # widths and depths; SAM's global blocks 1 and 3 run on a 48x48 grid for a crop (rel-pos tables

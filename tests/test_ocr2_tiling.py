@@ -7,10 +7,15 @@ import pytest
 import torch
 from PIL import Image
 
-from encoder import preprocess_ocr2
+from encoder import DEEPSEEK_OCR_2, preprocess
 from encoder.tiling import choose_grid, ocr2_count_tokens, ocr2_grid
 from encoder.views import normalize
 from tests import reference_ocr2 as ref
+
+
+def preprocess_ocr2(image, **options):
+    """DeepSeek-OCR-2's views by the package's one preprocessing path, for its family."""
+    return preprocess(image, tiling=DEEPSEEK_OCR_2, **options)
 
 
 def deepseek_grid(width, height):
@@ -165,3 +170,18 @@ def test_transformers_global_view_sits_one_pixel_off_on_some_margins():
     theirs = to_uint8(transformers_views(image)[0])
     assert not torch.equal(item.global_view, theirs)
     assert torch.equal(item.global_view[:, :, 2:1023], theirs[:, :, 1:1022])
+
+
+@pytest.mark.parametrize("size", [(1400, 1120), (800, 2000), (700, 500), (3000, 600)])
+def test_views_made_from_decoded_pixels_equal_the_pil_views(size):
+    """What an encoder does with a decoded image (`views_of`: PIL, or the exact tensor resize a
+    GPU uses) gives DeepSeek-OCR-2's views too: the 768 crops, bit for bit."""
+    from encoder import decode, views_of
+    image = noise(*size, seed=3)
+    want = preprocess_ocr2(image)
+    decoded = decode(image, tiling=DEEPSEEK_OCR_2)
+    assert (decoded.grid, decoded.num_tokens) == (want.grid, want.num_tokens)
+    for exact in (False, True):
+        got = views_of(decoded, exact=exact)
+        assert torch.equal(got.global_view, want.global_view) and torch.equal(got.crops, want.crops)
+        assert (got.grid, got.num_tokens, got.tiling) == (want.grid, want.num_tokens, DEEPSEEK_OCR_2)
