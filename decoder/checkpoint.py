@@ -15,7 +15,7 @@ import time
 import torch
 
 from common.checkpoint import (build_module, check_state_dict, random_state_dict, read_config,
-                               read_tensors)
+                               read_tensors, save_checkpoint)
 
 from .config import DecoderArgs
 from .model import Decoder
@@ -97,4 +97,21 @@ def build_decoder(args: DecoderArgs, tensors: dict[str, torch.Tensor], device, d
 def random_decoder(args: DecoderArgs, device="cpu", dtype=torch.float32, seed: int = 0) -> Decoder:
     """A random decoder without the disk (benchmarks); weights drawn on `device`."""
     return build_decoder(args, random_state_dict(released_shapes(args), seed, device), device, dtype)
+
+
+def write_random_checkpoint(path, args: DecoderArgs, seed: int = 0, *, dtype=torch.bfloat16,
+                            num_shards: int | None = None, extra_config: dict | None = None,
+                            extra_tensors: dict[str, torch.Tensor] | None = None) -> str:
+    """Write a randomly initialised language checkpoint in its family's released layout at
+    `args`'s dims: `config.json` (DeepSeek-OCR's language fields, or Unlimited-OCR's with its
+    architecture and R-SWA window: `DecoderArgs.tiny(sliding_window=8)`) and the language
+    tensors, in one `model.safetensors` or `num_shards` shards. bf16 by default, like the
+    releases. `extra_config` / `extra_tensors` add other keys (a vision part; the language
+    fields and the architecture stay the family's). On CPU it loads as `random_decoder` of the
+    same seed. A whole model with tokenizer is `deployments.model_source.write_random_model`.
+    Returns the directory."""
+    tensors = {k: v.to(dtype) for k, v in random_state_dict(released_shapes(args), seed).items()}
+    tensors.update(extra_tensors or {})
+    save_checkpoint(path, (extra_config or {}) | args.to_config(), tensors, num_shards)
+    return os.fspath(path)
 

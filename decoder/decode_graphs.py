@@ -56,15 +56,19 @@ def graph_shapes(cache: KVCache, max_batch: int, max_len: int) -> list[tuple[int
 
 def decode_step(model: Decoder, cache: KVCache, batch: int, context: int):
     """The decode step a graph of this shape runs, on zeroed static inputs: (step() -> logits
-    [batch, vocab], tokens [batch, 1], positions [batch]). Rows at position 0 with no pages
-    attend to and write the cache's scratch page only."""
+    [batch, vocab], tokens [batch, 1], positions [batch], prompt_lens [batch] or None when the
+    model has no R-SWA). Rows at position 0 with no pages attend to and write the cache's
+    scratch page only."""
     tokens = torch.zeros(batch, 1, dtype=torch.long, device=model.device)
     positions = torch.zeros(batch, dtype=torch.long, device=model.device)
+    prompt_lens = (torch.zeros(batch, dtype=torch.long, device=model.device)
+                   if model.args.sliding_window is not None else None)
 
     def step():
         return model(input_ids=tokens, positions=positions[:, None],
-                     step=CacheStep(cache, positions=positions, kv_len=context))[:, -1]
-    return step, tokens, positions
+                     step=CacheStep(cache, positions=positions, kv_len=context,
+                                    prompt_lens=prompt_lens))[:, -1]
+    return step, tokens, positions, prompt_lens
 
 
 class DecodeGraphs:
@@ -76,9 +80,9 @@ class DecodeGraphs:
         self.model, self.cache = model, cache
         self.batches, self.contexts = batch_buckets(max_batch), context_buckets(cache, max_len)
         self.graphs: dict[tuple[int, int], tuple] = {}
-        # Host staging for each step's tokens and positions: pinned, so the copies to the static
-        # inputs are asynchronous (the step's only host sync stays the pick of its tokens).
-        self._staged = torch.zeros(2, self.batches[-1], dtype=torch.long, pin_memory=True)
+        # Host staging for each step's tokens, positions (and R-SWA's prompt lengths): pinned,
+        # so the copies to the static inputs are asynchronous (the step's only host sync stays the pick of its tokens).
+        self._staged = torch.zeros(3, self.batches[-1], dtype=torch.long, pin_memory=True)
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(model.device)  # own cuBLAS workspace (see capture_graph)
@@ -88,16 +92,19 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self, batch: int, context: int, pool, stream):
-        step, tokens, positions = decode_step(self.model, self.cache, batch, context)
+        step, tokens, positions, prompt_lens = decode_step(self.model, self.cache, batch, context)
         graph, logits = capture_graph(step, pool, device=self.model.device, stream=stream)
-        return graph, tokens, positions, logits
+        return graph, tokens, positions, prompt_lens, logits
 
-    def run(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """Logits [S, vocab] for S running sequences (a fresh tensor, safe across replays)."""
+    def run(self, tokens: list[int], positions: list[int],
+            prompt_lens: list[int] | None = None) -> torch.Tensor:
+        """Logits [S, vocab] for S running sequences (a fresh tensor, safe across replays);
+        `prompt_lens`: each one's prompt length, for R-SWA models."""
         n = len(tokens)
         batch = self.batches[bisect.bisect_left(self.batches, n)]
         context = self.contexts[bisect.bisect_left(self.contexts, max(positions) + 1)]
-        graph, static_tokens, static_positions, logits = self.graphs[(batch, context)]
+        graph, static_tokens, static_positions, static_prompt_lens, logits = self.graphs[(batch, context)]
+        assert (static_prompt_lens is None) == (prompt_lens is None), "R-SWA graphs take prompt_lens"
         # Rows past n feed token 0 at position 0 (free slots). The previous step's copies out of
         # this buffer have finished: its picks were read on the host since.
         staged = self._staged[:, :batch]
@@ -106,5 +113,8 @@ class DecodeGraphs:
         staged[1, :n] = torch.tensor(positions)
         static_tokens[:, 0].copy_(staged[0], non_blocking=True)
         static_positions.copy_(staged[1], non_blocking=True)
+        if static_prompt_lens is not None:
+            staged[2, :n] = torch.tensor(prompt_lens)
+            static_prompt_lens.copy_(staged[2], non_blocking=True)
         graph.replay()
         return logits[:n].clone()  # clone: the next replay overwrites this buffer

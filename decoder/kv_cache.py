@@ -15,7 +15,9 @@ Decode attention (one query per row over its own positions 0..p) has two impleme
 of the unpaged cache; the reference) and, on CUDA, a Triton kernel that walks each row's pages
 and reads only the positions it holds (decoder/triton_paged_attention.py). `KVCache.kernel`
 picks ("triton" by default on CUDA; set "gather", before decode graphs are captured, for the
-reference).
+reference). For Unlimited-OCR's R-SWA (`window`), both see only the row's prompt positions and
+its last `window` positions; the positions between stay in their pages, unread by the kernel and
+masked by the reference (freeing the pages they fill is a later optimisation).
 """
 from __future__ import annotations
 
@@ -145,26 +147,35 @@ class KVCache:
         self.k[layer][pages, :, offsets] = k
         self.v[layer][pages, :, offsets] = v
 
-    def attend(self, layer: int, q, positions, kv_len: int):
+    def attend(self, layer: int, q, positions, kv_len: int, prompt_lens=None, window: int | None = None):
         """q [S, H, 1, d] of rows 0..S-1, each at `positions`; keys and values at positions
-        0..p of the row, p < kv_len (a static bound: the graph's context bucket) -> [S, 1, H*d]."""
+        0..p of the row, p < kv_len (a static bound: the graph's context bucket) -> [S, 1, H*d].
+        R-SWA (`window`, with `prompt_lens` [S]): only a row's prompt and its last `window`
+        positions (decoder/model.py)."""
         s, h, _, d = q.shape
         rows = self.table[:s]
         if self.kernel == "triton":
             from .triton_paged_attention import paged_decode_attention
             return paged_decode_attention(q[:, :, 0], self.k[layer], self.v[layer], rows,
-                                          positions, kv_len).view(s, 1, h * d)
-        return gathered_decode_attention(q, self.k[layer], self.v[layer], rows, positions, kv_len)
+                                          positions, kv_len, prompt_lens=prompt_lens,
+                                          window=window).view(s, 1, h * d)
+        return gathered_decode_attention(q, self.k[layer], self.v[layer], rows, positions, kv_len,
+                                         prompt_lens, window)
 
 
-def gathered_decode_attention(q, k_pages, v_pages, rows, positions, kv_len: int):
+def gathered_decode_attention(q, k_pages, v_pages, rows, positions, kv_len: int, prompt_lens=None,
+                              window: int | None = None):
     """The reference: each row's first pages_for(kv_len) pages gathered into one block, then SDPA
-    with positions past the row's own masked (what attention over an unpaged cache computes)."""
+    with positions past the row's own masked (what attention over an unpaged cache computes),
+    and for R-SWA (`window`) those between the row's prompt and its last `window` too."""
     s, h, _, d = q.shape
     n = pages_for(kv_len)
     keys, values = (pages[rows[:, :n].long()].transpose(1, 2).reshape(s, h, n * PAGE_TOKENS, d)
                     for pages in (k_pages, v_pages))
-    visible = torch.arange(n * PAGE_TOKENS, device=q.device)[None] <= positions[:, None]
+    j, p = torch.arange(n * PAGE_TOKENS, device=q.device)[None], positions[:, None]
+    visible = j <= p
+    if window is not None:
+        visible &= (j < prompt_lens[:, None]) | (j > p - window)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None, None])
     return out.transpose(1, 2).reshape(s, 1, h * d)
 

@@ -9,6 +9,13 @@ instead of a loop; attention's `qkv_proj [3H, H]` holds `q_proj`, `k_proj` and `
 each MLP's `gate_up_proj [2I, H]` (dense and shared experts) its `gate_proj` and `up_proj`.
 `Decoder.use_fused_projections(False)` runs every packed projection as the released separate
 matmuls (the reference twin).
+Unlimited-OCR's decoder (`args.sliding_window` set) is the same but for its reference
+sliding-window attention (R-SWA): position q of a row whose prompt has P tokens attends to key
+position j when j <= q and (j < P or j > q - window), i.e. to the whole prompt (every image and
+text token, however many pages) and to the last `window` positions; prompt positions (q < P)
+are therefore plain causal, and a generated token sees the prompt plus the newest `window`
+generated tokens, itself included (baidu's `SlidingWindowLlamaAttention`; transformers'
+`create_reference_sliding_window_causal_mask`). The evicted keys stay in the cache, masked.
 Spec: DeepSeek's `modeling_deepseekv2.py` (MHA path, LlamaAttention) and MoE gate/infer.
 """
 from __future__ import annotations
@@ -60,6 +67,18 @@ def apply_rope(x, cos, sin):
     return torch.addcmul(x * cos[:, None], x.roll(x.shape[-1] // 2, dims=-1), sin[:, None])
 
 
+def rswa_mask(t: int, prompt_lens: list[int], window: int, device) -> torch.Tensor | None:
+    """R-SWA over a whole pass of t positions (rows' prompts of `prompt_lens` tokens): [B, 1, t, t]
+    bool, True where attended; None when it is the causal mask (no position is `window` or more
+    past its row's prompt, as in every fresh prompt), so SDPA keeps its causal kernels."""
+    if t <= min(prompt_lens) + window:
+        return None
+    pos = torch.arange(t, device=device)
+    q, k = pos[:, None], pos[None, :]
+    prompt = torch.tensor(prompt_lens, device=device)[:, None, None]
+    return ((k <= q) & ((k < prompt) | (k > q - window)))[:, None]
+
+
 @dataclass
 class CacheStep:
     """How a forward uses the KV cache: prefill B rows, or decode rows 0..S-1."""
@@ -68,6 +87,7 @@ class CacheStep:
     slot: int | None = None  # prefill: row b written into cache row `slot + b` at positions 0..T-1
     positions: torch.Tensor | None = None  # decode: [S] position of each row's new token
     kv_len: int = 0  # decode: every position < kv_len (a static bound: the graph's context)
+    prompt_lens: torch.Tensor | None = None  # decode, R-SWA models: [S] each row's prompt length
 
 
 def packed_linear(x, weight, parts: int, fused: bool) -> tuple[torch.Tensor, ...]:
@@ -90,10 +110,12 @@ class Attention(nn.Module):
     def __init__(self, args: DecoderArgs):
         super().__init__()
         self.n_heads, self.head_dim = args.n_heads, args.head_dim
+        self.window = args.sliding_window  # R-SWA (Unlimited-OCR); None: causal
         self.qkv_proj = nn.Linear(args.hidden, 3 * args.hidden, bias=False)
         self.o_proj = nn.Linear(args.hidden, args.hidden, bias=False)
 
-    def forward(self, x, cos, sin, layer: int, step: CacheStep | None):
+    def forward(self, x, cos, sin, layer: int, step: CacheStep | None, mask=None):
+        """`mask`: a whole pass's R-SWA mask (`rswa_mask`), None for causal."""
         bsz, t, _ = x.shape
         prefill = step is not None and step.slot is not None  # rows may be right-padded
         if step is not None and self.fused and (self.rope_kernel == "triton"
@@ -117,12 +139,13 @@ class Attention(nn.Module):
                 step.cache.write_prefill(layer, step.slot, k, v)
             elif step is not None:
                 step.cache.write_decode(layer, step.positions, k[:, :, 0], v[:, :, 0])
-        if step is None or prefill:  # whole sequence, causal (causal rows never see the pads)
+        if step is None or prefill:  # whole sequence, causal or R-SWA (rows never see their pads)
             with sdpa_kernel(PREFILL_ATTENTION):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=mask is None, attn_mask=mask)
             out = out.transpose(1, 2).reshape(bsz, t, -1)
         else:  # one new token per running sequence
-            out = step.cache.attend(layer, q, step.positions, step.kv_len)
+            assert self.window is None or step.prompt_lens is not None, "R-SWA decode needs prompt_lens"
+            out = step.cache.attend(layer, q, step.positions, step.kv_len, step.prompt_lens, self.window)
         return self.o_proj(out)
 
 
@@ -237,8 +260,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden, args.rms_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden, args.rms_eps)
 
-    def forward(self, x, cos, sin, step):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, self.layer, step)
+    def forward(self, x, cos, sin, step, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, self.layer, step, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -253,7 +276,10 @@ class Transformer(nn.Module):
 class Decoder(nn.Module):
     """`decoder(input_ids=..., inputs_embeds=...)` -> logits [B, T, vocab] (full causal pass);
     with `step`, the same forward reads and writes the generation engine's KV cache;
-    `last_only` / `logits_at` ([B] positions) keep one position per row -> [B, 1, vocab]."""
+    `last_only` / `logits_at` ([B] positions) keep one position per row -> [B, 1, vocab].
+    R-SWA models: `prompt_lens` (ints, one per row) says where each row's prompt ends in a whole
+    pass (a prefill, or a pass without the cache); without it every position counts as prompt
+    (plain causal, as transformers' first forward). Decode steps carry theirs in `step`."""
 
     def __init__(self, args: DecoderArgs):
         super().__init__()
@@ -298,7 +324,7 @@ class Decoder(nn.Module):
 
     def forward(self, input_ids=None, inputs_embeds=None, positions=None,
                 step: CacheStep | None = None, last_only: bool = False,
-                logits_at: torch.Tensor | None = None):
+                logits_at: torch.Tensor | None = None, prompt_lens: list[int] | None = None):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(self.dtype)
@@ -306,8 +332,14 @@ class Decoder(nn.Module):
         if positions is None:
             positions = torch.arange(t, device=x.device).expand(bsz, t)
         cos, sin = rope(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
+        mask = None
+        whole = step is None or step.slot is not None
+        if self.args.sliding_window is not None and prompt_lens is not None and whole:
+            if len(prompt_lens) != bsz:
+                raise ValueError(f"prompt_lens has {len(prompt_lens)} rows, the batch {bsz}")
+            mask = rswa_mask(t, prompt_lens, self.args.sliding_window, x.device)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, step)
+            x = layer(x, cos, sin, step, mask)
         if last_only:
             x = x[:, -1:]
         elif logits_at is not None:  # one position per row ([B]): right-padded prefills

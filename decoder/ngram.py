@@ -4,6 +4,13 @@ Over the generated tokens only (the prompt excluded): a token is banned when, ap
 last n-1 tokens, it would repeat an n-gram that starts within the last `window` tokens. The
 table-cell tags `<td>` and `</td>` are whitelisted, since tables legitimately repeat them.
 
+Unlimited-OCR's rule (its `SlidingWindowNoRepeatNgramProcessor`, SGLang's
+`DeepseekOCRNoRepeatNGramLogitProcessor` as its README calls it, transformers'
+`UnlimitedOcrSlidingWindowNoRepeatNgramLogitsProcessor`) is the same scan over the prompt and
+the generated tokens together (`include_prompt`: the window reaches back into the prompt for its
+first `window` tokens), with no whitelist; size 35 over 128 tokens for one page, 1,024 for
+several (`ngram_defaults`).
+
 `NoRepeatNGram` keeps the n-grams of the window in a table keyed by their (n-1)-token prefix,
 updated per token, so a decode step costs O(n) instead of a scan of the window.
 """
@@ -11,8 +18,12 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .tokenizer import TD_CLOSE_ID, TD_ID
+
+if TYPE_CHECKING:
+    from .config import DecoderArgs
 
 
 def _check_sizes(ngram_size, window) -> None:
@@ -40,16 +51,40 @@ class NGramConfig:
     window: int = 90
     whitelist: tuple = (TD_ID, TD_CLOSE_ID)
     enabled: bool = True
+    include_prompt: bool = False  # True: the window spans the prompt too (Unlimited-OCR's rule)
 
     def __post_init__(self):
         _check_sizes(self.ngram_size, self.window)
         object.__setattr__(self, "whitelist", _check_whitelist(self.whitelist))
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"enabled must be a bool, got {self.enabled!r}")
+        for name in ("enabled", "include_prompt"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @classmethod
     def off(cls) -> "NGramConfig":
         return cls(enabled=False)
+
+    def rule(self, prompt_ids=()) -> "NoRepeatNGram | None":
+        """A request's rule state (None when off), primed with its prompt's last `window`
+        tokens when the rule spans the prompt."""
+        if not self.enabled:
+            return None
+        rule = NoRepeatNGram(self.ngram_size, self.window, self.whitelist)
+        for token in prompt_ids[-self.window:] if self.include_prompt else ():
+            rule.push(token)
+        return rule
+
+
+def ngram_defaults(args: DecoderArgs, num_images: int) -> NGramConfig:
+    """The n-gram guard a model's own release uses (by `args.family`): DeepSeek-OCR's
+    30 over 90 generated tokens (table tags exempt); Unlimited-OCR's 35 over the last 128 tokens
+    for one image, 1,024 for several, prompt included, nothing exempt (its README and code)."""
+    if num_images < 0:
+        raise ValueError(f"num_images must be >= 0, got {num_images}")
+    if args.family == "unlimited-ocr":
+        return NGramConfig(ngram_size=35, window=128 if num_images <= 1 else 1024, whitelist=(),
+                           include_prompt=True)
+    return NGramConfig()
 
 
 class NoRepeatNGram:

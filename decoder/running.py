@@ -102,8 +102,10 @@ class ModelRunner:
             images = torch.cat([e.to(embeds.device, embeds.dtype) for e in images])
             embeds[(ids == IMAGE_TOKEN_ID) & prompt.to(ids.device)] = images
         last = torch.tensor(lengths, device=self.model.device) - 1
-        return self.model(inputs_embeds=embeds, step=CacheStep(self.cache, slot=slot),
-                          logits_at=last)[:, -1]
+        # R-SWA: a resumed sequence's context holds generated tokens, which see only the prompt
+        # and their last `window` (a fresh prompt's pass is plain causal: no mask is built).
+        return self.model(inputs_embeds=embeds, step=CacheStep(self.cache, slot=slot), logits_at=last,
+                          prompt_lens=[len(seq.request.prompt_ids) for seq in seqs])[:, -1]
 
     def empty_cache(self) -> None:
         """After a prefill ran out of GPU memory: the allocator's cached blocks go back to the
@@ -115,13 +117,19 @@ class ModelRunner:
         # Active sequences are exactly the running ones, in slot order 0..S-1.
         assert [s.slot for s in active] == list(range(len(active))), "slots must stay compact"
         self.cache.sync()
+        # R-SWA models (Unlimited-OCR): each row's prompt length, where its window's gap begins
+        prompt_lens = ([len(s.request.prompt_ids) for s in active]
+                       if self.model.args.sliding_window is not None else None)
         if self.decode_graphs is not None:
-            logits = self.decode_graphs.run([s.pending for s in active], [s.length for s in active])
+            logits = self.decode_graphs.run([s.pending for s in active], [s.length for s in active],
+                                            prompt_lens)
         else:
             device = self.model.device
             tokens = torch.tensor([[s.pending] for s in active], device=device)
             positions = torch.tensor([s.length for s in active], device=device)
             step = CacheStep(self.cache, positions=positions, kv_len=max(s.length for s in active) + 1)
+            if prompt_lens is not None:
+                step.prompt_lens = torch.tensor(prompt_lens, device=device)
             logits = self.model(input_ids=tokens, positions=positions[:, None], step=step)[:, -1]
         for s in active:
             s.length += 1

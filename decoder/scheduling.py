@@ -16,7 +16,6 @@ import time
 from collections import deque
 
 from .kv_cache import KVCache, pages_for
-from .ngram import NoRepeatNGram
 from .sequence import GenerationRequest, Sequence
 from .tokenizer import IncrementalDecoder
 
@@ -111,9 +110,7 @@ class Scheduler:
         params = request.params
         n = len(request.prompt_ids)
         return Sequence(request, -1, n, min(params.max_tokens, self.max_len - n),
-                        NoRepeatNGram(params.ngram.ngram_size, params.ngram.window,
-                                      params.ngram.whitelist) if params.ngram.enabled else None,
-                        IncrementalDecoder(self.tokenizer),
+                        params.ngram.rule(request.prompt_ids), IncrementalDecoder(self.tokenizer),
                         seed=secrets.randbits(32) if params.seed is None else params.seed,
                         admitted=next(self._admissions))
 

@@ -1,4 +1,5 @@
 """The language model against transformers' DeepseekOcr2TextModel, and its checkpoint loading."""
+import dataclasses
 import json
 import os
 
@@ -22,8 +23,8 @@ REF_ARGS = DecoderArgs(vocab_size=512, hidden=256, n_layers=3, n_heads=2, interm
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    path = write_random_model(tmp_path_factory.mktemp("dec"), EncoderArgs.tiny(), REF_ARGS,
-                              seed=3, dtype=torch.float32)
+    vision = dataclasses.replace(EncoderArgs.tiny(), n_embed=REF_ARGS.hidden)  # the halves agree
+    path = write_random_model(tmp_path_factory.mktemp("dec"), vision, REF_ARGS, seed=3, dtype=torch.float32)
     ours = load_decoder(path)
     return ours, deepseek_ocr2_text_model(ours)
 
