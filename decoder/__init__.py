@@ -6,8 +6,8 @@ from .engine import GenerationEngine
 from .model import Decoder
 from .ngram import NGramConfig, ngram_defaults
 from .sequence import Delta, GenerationRequest, SamplingParams
-from .tokenizer import DEFAULT_PROMPT, build_prompt, load_tokenizer
+from .tokenizer import DEFAULT_PROMPT, build_prompt, default_preset, load_tokenizer
 
 __all__ = ["DEFAULT_PROMPT", "AsyncEngine", "Decoder", "DecoderArgs", "Delta", "GenerationEngine",
-           "GenerationRequest", "NGramConfig", "SamplingParams", "build_prompt", "load_decoder",
+           "GenerationRequest", "NGramConfig", "SamplingParams", "build_prompt", "default_preset", "load_decoder",
            "load_tokenizer", "ngram_defaults", "random_decoder", "write_random_checkpoint"]

@@ -184,7 +184,19 @@ PROMPT_PRESETS = {
     "figure": "<image>\nParse the figure.",
     "describe": "<image>\nDescribe this image in detail.",
     "locate": "<image>\nLocate <|ref|>{ref}<|/ref|> in the image.",
+    # Unlimited-OCR's (its README): one page, and several pages in one request (one <image> per
+    # page, in base mode), its answer split by <PAGE> marks.
+    "parse": "<image>document parsing.",
+    "parse_pages": "<image>Multi page parsing.",
 }
+
+
+def default_preset(family: str, num_images: int) -> str:
+    """The prompt preset a request without a prompt gets from its model: DeepSeek-OCR's
+    markdown conversion, or Unlimited-OCR's document parsing (of one page or of several)."""
+    if family == "unlimited-ocr":
+        return "parse" if num_images <= 1 else "parse_pages"
+    return "markdown"
 
 
 def count_image_tags(prompt: str) -> int:

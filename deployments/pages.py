@@ -18,6 +18,8 @@ from .protocol import BadRequest, replica_error
 
 # What DeepSeek's PDF script writes between pages.
 PAGE_SPLIT = "\n\n<--- Page Split --->\n"
+# What Unlimited-OCR writes between the pages of a multi-page answer.
+PAGE_MARK = "<PAGE>"
 USAGE_KEYS = ("prompt_tokens", "image_tokens", "completion_tokens")
 
 
@@ -28,6 +30,23 @@ def page_entry(index: int, result: dict, size: tuple[int, int]) -> dict:
         if extra in result:
             entry[extra] = result[extra]
     return entry
+
+
+def split_pages(window: tuple[int, ...], result: dict, sizes: list[tuple[int, int]]) -> list[dict]:
+    """The entries of a window of pages answered as one request: its text split at the model's
+    page marks (`PAGE_MARK`) when there is one part per page (a mark before the first page is
+    allowed); otherwise the whole text stays on the window's first page and `split` is false.
+    The request's usage is on the first page (the totals stay right); every entry names its
+    `window`."""
+    parts = result["text"].split(PAGE_MARK)
+    if len(parts) == len(window) + 1 and not parts[0].strip():
+        parts = parts[1:]
+    split = len(parts) == len(window)
+    texts = [part.strip() for part in parts] if split else [result["text"]] + [""] * (len(window) - 1)
+    none = dict.fromkeys(USAGE_KEYS, 0)
+    return [{**page_entry(index, {**result, "text": text, "usage": result["usage"] if i == 0 else none}, size),
+             "window": list(window), "split": split}
+            for i, (index, text, size) in enumerate(zip(window, texts, sizes))]
 
 
 def failed_page(index: int, error: BaseException, log) -> dict:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoder import build_prompt
+from decoder import DecoderArgs, NGramConfig, build_prompt, default_preset, ngram_defaults
 from decoder.grounding import parse_blocks, to_markdown
 from documents import DocumentError, PdfDocument, map_pages, parse_page_range
 from encoder import ImageError
@@ -69,11 +69,14 @@ def of_image(error: Exception, index: int) -> Exception:
 
 
 class OcrPipeline:
-    def __init__(self, encoder, decoder, tokenizer, max_len: int | None, config: AppConfig,
+    def __init__(self, encoder, decoder, tokenizer, language: DecoderArgs | None, config: AppConfig,
                  model_fields: dict):
-        """`decoder` None: an encode-only app. `model_fields`: what every answer says of the
+        """`decoder` None: an encode-only app. `language`: the checkpoint's language model (its
+        context and its family's n-gram rule). `model_fields`: what every answer says of the
         model (its id, and the tiny random model's warning)."""
-        self.encoder, self.decoder, self.tokenizer, self.max_len = encoder, decoder, tokenizer, max_len
+        self.encoder, self.decoder, self.tokenizer, self.language = encoder, decoder, tokenizer, language
+        self.max_len = (config.max_len or language.max_positions) if language else None
+        self.family = language.family if language else "deepseek-ocr"  # its prompts and n-gram rule
         self.config, self.model_fields = config, model_fields
         self.model_tag = {"model": model_fields["model"]}  # on its metrics
         self.cache = EncodedCache(config.encoder_cache_mb << 20) if config.encoder_cache_mb else None
@@ -91,7 +94,7 @@ class OcrPipeline:
         arrived = arrived or protocol.REQUEST_ARRIVED.get() or time.perf_counter()
         ids, seqs, timings, sizes = await self._encode_prompt(images, options)
         start = time.perf_counter()
-        result = await self.decoder.generate(ids, seqs, options.sampling())
+        result = await self.decoder.generate(ids, seqs, self._sampling(options, len(images)))
         timings["decode_ms"] = (time.perf_counter() - start) * 1e3
         timings.update(result.get("timings", {}))  # the decoder's own stages
         self._record_generation(result, seqs, timings["decode_ms"])
@@ -122,7 +125,7 @@ class OcrPipeline:
 
         async def deltas():
             start = time.perf_counter()
-            async with aclosing(self.decoder.stream(ids, seqs, options.sampling())) as stream:
+            async with aclosing(self.decoder.stream(ids, seqs, self._sampling(options, len(images)))) as stream:
                 async for delta in stream:
                     if delta["finished"]:
                         self._record_generation(delta, seqs, (time.perf_counter() - start) * 1e3)
@@ -138,12 +141,21 @@ class OcrPipeline:
     async def document_pages(self, document: Document, options: OcrOptions) -> AsyncIterator[dict]:
         """Open the PDF and check the page range now (errors answer 4xx before any page is
         sent), then return its pages' entries in page order. Pages are rendered lazily, at most
-        `pages_in_flight` at a time, and each goes through the encoders and the decoder as its
-        own request (batched with every other request's pages); a page that fails is an entry
-        with its error, never the document's failure."""
+        `pages_in_flight` requests at a time, and each goes through the encoders and the decoder
+        as its own request (batched with every other request's pages), or with
+        `pages_per_request` > 1 a window of pages as one multi-page request (`_window_entries`);
+        a page that fails is an entry with its error, never the document's failure."""
         self._require_decoder()
-        options.prompt_for(1, 1)  # a prompt every page can take: one <image> tag
+        options.prompt_for(1, 1)  # a prompt every page (or window: its tag repeated) can take
         self._check_views(options)
+        per_request = options.pages_per_request
+        if per_request > 1 and options.mode != "base":
+            raise BadRequest("pages_per_request > 1 sends pages together in base mode (one 1024² "
+                             "view a page, no crops: how Unlimited-OCR reads many pages): send "
+                             "mode 'base'", "mode")
+        if per_request > self.config.max_images_per_request:
+            raise BadRequest(f"pages_per_request {per_request} is over the {self.config.max_images_per_request} "
+                             f"images a request may carry (max_images_per_request)", "pages_per_request")
         pdf = await asyncio.to_thread(PdfDocument, document.data, self.config.max_pages)
         try:
             indices = parse_page_range(options.page_range, pdf.page_count)
@@ -152,22 +164,48 @@ class OcrPipeline:
             raise
         page_options = options.model_copy(update={"stream": False, "page_range": None})
 
-        async def work(index: int, image):
-            return (await self.ocr([image], page_options, page=index, arrived=time.perf_counter()),
+        async def work(unit: int | tuple[int, ...], image):
+            if isinstance(unit, tuple):  # a window of pages, `image` their images
+                return await self._window_entries(unit, image, page_options)
+            return (await self.ocr([image], page_options, page=unit, arrived=time.perf_counter()),
                     image.size)
+        units = ([tuple(indices[i:i + per_request]) for i in range(0, len(indices), per_request)]
+                 if per_request > 1 else indices)
 
         async def entries():
             try:
-                async with aclosing(map_pages(pdf, indices, options.dpi, work,
+                async with aclosing(map_pages(pdf, units, options.dpi, work,
                                               self.config.pages_in_flight)) as results:
-                    async for index, outcome in results:
-                        if isinstance(outcome, BaseException):
-                            yield pages.failed_page(index, outcome, log)
-                        else:
-                            yield pages.page_entry(index, *outcome)
+                    async for unit, outcome in results:
+                        for index in unit if isinstance(unit, tuple) else (unit,):
+                            if isinstance(outcome, BaseException):
+                                yield pages.failed_page(index, outcome, log)
+                            elif isinstance(unit, tuple):
+                                yield outcome[unit.index(index)]
+                            else:
+                                yield pages.page_entry(index, *outcome)
             finally:
                 await asyncio.to_thread(pdf.close)
         return entries()
+
+    async def _window_entries(self, window: tuple[int, ...], images: list, options: OcrOptions) -> list[dict]:
+        """A window of pages as one request (a caller's prompt gets its one <image> tag once per
+        page), its answer split into the pages' entries where the model marks them
+        (`pages.split_pages`); each page shaped as `output_format` asks."""
+        prompt = options.prompt.replace("<image>", "<image>" * len(images), 1) if options.prompt else None
+        result = await self.ocr(images, options.model_copy(update={
+            "prompt": prompt, "output_format": "text", "return_crops": False}),
+            page=window[0], arrived=time.perf_counter())
+        entries = pages.split_pages(window, result, [image.size for image in images])
+        for entry, image in zip(entries, images):
+            if options.output_format == "markdown":
+                entry["text"] = to_markdown(entry["text"], entry["index"])
+            elif options.output_format == "blocks":
+                entry["blocks"] = parse_blocks(entry["text"], *image.size)
+                entry["markdown"] = to_markdown(entry["text"], entry["index"])
+                if options.return_crops:
+                    await asyncio.to_thread(crop_image_blocks, image, entry["blocks"])
+        return entries
 
     def timings(self) -> dict:
         """Median ms per stage over the last 1,000 requests: preprocess (decoding, or reading
@@ -194,7 +232,8 @@ class OcrPipeline:
         if options.output_format == "blocks" and len(images) != 1:
             raise BadRequest("output_format 'blocks' places boxes on one image: send one image",
                              "output_format")
-        prompt = options.prompt_for(len(images), self.config.max_images_per_request)
+        prompt = options.prompt_for(len(images), self.config.max_images_per_request,
+                                    default_preset(self.family, len(images)))
         prepared = await self._preprocess(images, options)
         ids = build_prompt(self.tokenizer, prompt, [p.num_tokens for p in prepared])
         if len(ids) >= self.max_len:
@@ -204,6 +243,10 @@ class OcrPipeline:
                              f"images, or a smaller mode or max_crops")
         seqs, timings = await self._encode(prepared)
         return ids, seqs, timings, [p.original_size for p in prepared]
+
+    def _sampling(self, options: OcrOptions, num_images: int):
+        """The request's decoder parameters, its n-gram rule completed by this model's own."""
+        return options.sampling(ngram_defaults(self.language, num_images) if self.language else NGramConfig())
 
     def _check_views(self, options: OcrOptions) -> None:
         """The view options against this model's family (DeepSeek-OCR-2 has two modes and at

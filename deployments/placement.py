@@ -249,13 +249,13 @@ def model_pipeline(tiers: ModelTiers) -> OcrPipeline:
                                *load_sequence_layout(directory), config)
     decoder = tiers.decoder
     # Encode-only apps need no tokenizer (and their checkpoints may carry none), and have no
-    # context to bound prompts (an encoder-only checkpoint has no language config).
+    # language model to bound prompts or choose the n-gram rule (an encoder-only checkpoint
+    # has no language config).
     tokenizer = load_tokenizer(directory if config.checkpoint else None) if decoder else None
-    max_len = (config.max_len or DecoderArgs.from_config(read_config(directory)).max_positions
-               if decoder else None)
+    language = DecoderArgs.from_config(read_config(directory)) if decoder else None
     # In every answer: the model's id (what clients call it), and the tiny random model's
     # warning in its own field.
     model_fields = {"model": config.served_model_name or model_label,
                     **({} if config.checkpoint else {"warning": TINY_WARNING})}
-    return OcrPipeline(encoder, DecoderClient(decoder) if decoder else None, tokenizer, max_len,
+    return OcrPipeline(encoder, DecoderClient(decoder) if decoder else None, tokenizer, language,
                        config, model_fields)

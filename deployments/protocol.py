@@ -89,21 +89,23 @@ class Document:
 
 
 class NGramOptions(BaseModel):
-    """The no-repeat-n-gram rule of one request (DeepSeek's 30/90 by default)."""
+    """The no-repeat-n-gram rule of one request; what it leaves unset is the served model's own
+    rule (`decoder.ngram_defaults`: DeepSeek-OCR's 30 over 90 generated tokens, table tags
+    exempt; Unlimited-OCR's 35 over 128 tokens, 1,024 for several pages, prompt included)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     enabled: bool = True
-    ngram_size: int = NGramConfig.ngram_size
-    window: int | None = None  # default: max(90, ngram_size)
-    whitelist: list[int] | None = None  # default: <td>, </td>
+    ngram_size: int | None = None
+    window: int | None = None  # default: the model's, or ngram_size where that is larger
+    whitelist: list[int] | None = None
 
-    def config(self) -> NGramConfig:
+    def config(self, default: NGramConfig = NGramConfig()) -> NGramConfig:
         if not self.enabled:
             return NGramConfig.off()
-        window = self.window or max(NGramConfig.window, self.ngram_size)
-        if self.whitelist is None:
-            return NGramConfig(self.ngram_size, window)
-        return NGramConfig(self.ngram_size, window, tuple(self.whitelist))
+        size = self.ngram_size or default.ngram_size
+        return NGramConfig(size, self.window or max(default.window, size),
+                           default.whitelist if self.whitelist is None else tuple(self.whitelist),
+                           include_prompt=default.include_prompt)
 
 
 class OcrOptions(BaseModel):
@@ -129,6 +131,9 @@ class OcrOptions(BaseModel):
     stream: bool = False
     timeout_s: float | None = Field(None, gt=0, le=3600)  # default: the app's request_timeout_s
     model: str | None = None  # which served model (GET /v1/models); default: the app's first
+    # documents: pages sent together as one multi-page request (Unlimited-OCR), the answer split
+    # per page where the model marks it (<PAGE>)
+    pages_per_request: int = Field(1, ge=1, le=64)
 
     @pydantic.model_validator(mode="after")
     def _check(self):
@@ -169,21 +174,24 @@ class OcrOptions(BaseModel):
         """`options` as sent; `strict=False` for multipart forms, whose values are all strings."""
         return validate(cls, options, strict=strict)
 
-    def sampling(self) -> SamplingParams:
+    def sampling(self, ngram_default: NGramConfig = NGramConfig()) -> SamplingParams:
+        """The decoder's parameters; `ngram_default`: the served model's rule for this request
+        (what `ngram` leaves unset)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        return SamplingParams(max_tokens=self.max_tokens, stop=stop, ngram=self.ngram.config(),
+        return SamplingParams(max_tokens=self.max_tokens, stop=stop, ngram=self.ngram.config(ngram_default),
                               temperature=self.temperature, top_p=self.top_p, seed=self.seed,
                               skip_special_tokens=self.skip_special_tokens)
 
-    def prompt_for(self, n_images: int, max_images: int) -> str:
-        """The prompt for `n_images` images (the default one, or the caller's with one <image>
-        tag per image); BadRequest when the count is outside 1..max_images or tags disagree."""
+    def prompt_for(self, n_images: int, max_images: int, default_preset: str = "markdown") -> str:
+        """The prompt for `n_images` images (the model's default preset, or the caller's prompt
+        with one <image> tag per image); BadRequest when the count is outside 1..max_images or
+        tags disagree."""
         if n_images == 0:
             raise BadRequest("no image given (send 'image' as a file upload or base64 JSON)", "image")
         if n_images > max_images:
             raise BadRequest(f"at most {max_images} images per request, got {n_images}", "images")
         if self.prompt is None:  # a preset (the markdown one by default), one tag per image
-            preset = PROMPT_PRESETS[self.prompt_preset or "markdown"].format(ref=self.ref)
+            preset = PROMPT_PRESETS[self.prompt_preset or default_preset].format(ref=self.ref)
             return "<image>" * n_images + preset.removeprefix("<image>")
         if count_image_tags(self.prompt) != n_images:
             raise BadRequest(f"prompt must contain one <image> tag per image: it has "

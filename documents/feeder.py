@@ -30,6 +30,8 @@ async def map_pages(document: PdfDocument, indices: list[int], dpi: int,
                     window: int) -> AsyncIterator[tuple[int, object]]:
     """Render each page of `indices` in a worker thread, run `await work(index, image)` on it,
     and yield `(index, result)` in the order of `indices` as soon as each next page is done.
+    An entry of `indices` may be a tuple of pages: `work(pages, images)` gets them together
+    (one multi-page request), and `window` counts such groups.
 
     A page whose render or work raised yields `(index, exception)`; the other pages carry on.
     Stopping early cancels the pages in flight: use `contextlib.aclosing` (a `break` out of
@@ -40,7 +42,10 @@ async def map_pages(document: PdfDocument, indices: list[int], dpi: int,
 
     loop = asyncio.get_running_loop()
 
-    async def process(index: int) -> object:
+    async def process(index: int | tuple[int, ...]) -> object:
+        if isinstance(index, tuple):  # a window of pages, worked on together
+            images = [await loop.run_in_executor(_RENDER_THREAD, document.render, i, dpi) for i in index]
+            return await work(index, images)
         image = await loop.run_in_executor(_RENDER_THREAD, document.render, index, dpi)
         return await work(index, image)  # the image is dropped once work returns
 

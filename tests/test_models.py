@@ -149,3 +149,76 @@ def test_requests_choose_their_model(three_models, ocr2_checkpoint):
     with pytest.raises(Exception, match="not served here"):
         three_models.ocr.remote(IMAGE, model="d").result(timeout_s=60)
     assert three_models.stats.remote("b").result()["model"] == "b"
+
+
+# -- Unlimited-OCR ------------------------------------------------------------------------------
+def test_a_models_own_ngram_rule_fills_what_a_request_leaves_unset():
+    from decoder import DecoderArgs, NGramConfig, ngram_defaults
+    from deployments.protocol import OcrOptions
+    unlimited = DecoderArgs.tiny(sliding_window=8)
+    assert OcrOptions().sampling(ngram_defaults(unlimited, 1)).ngram == NGramConfig(
+        35, 128, (), include_prompt=True)
+    assert OcrOptions().sampling(ngram_defaults(unlimited, 3)).ngram.window == 1024
+    assert OcrOptions().sampling(ngram_defaults(DecoderArgs.tiny(), 3)).ngram == NGramConfig()
+    asked = OcrOptions.parse({"ngram": {"ngram_size": 20}}).sampling(ngram_defaults(unlimited, 1)).ngram
+    assert (asked.ngram_size, asked.window, asked.whitelist, asked.include_prompt) == (20, 128, (), True)
+    assert OcrOptions.parse({"ngram": {"enabled": False}}).sampling(ngram_defaults(unlimited, 1)).ngram.enabled is False
+
+
+def test_window_answers_split_where_the_model_marks_pages():
+    from deployments.pages import split_pages
+    result = {"text": "<PAGE>one<PAGE> two", "finish_reason": "eos",
+              "usage": {"prompt_tokens": 5, "image_tokens": 546, "completion_tokens": 7}}
+    first, second = split_pages((4, 5), result, [(10, 20), (30, 40)])
+    assert (first["text"], second["text"], first["split"], second["window"]) == ("one", "two", True, [4, 5])
+    assert first["usage"]["completion_tokens"] == 7 and second["usage"]["completion_tokens"] == 0
+    unsplit = split_pages((4, 5, 6), {**result, "text": "all of it"}, [(1, 1)] * 3)
+    assert [e["text"] for e in unsplit] == ["all of it", "", ""] and not unsplit[0]["split"]
+
+
+@pytest.fixture(scope="module")
+def unlimited_checkpoint(tmp_path_factory):
+    """A tiny random Unlimited-OCR checkpoint (DeepSeek-OCR's encoder, the R-SWA decoder)."""
+    from decoder import DecoderArgs
+    from deployments.model_source import write_random_model
+    return write_random_model(tmp_path_factory.mktemp("unlimited"),
+                              language=DecoderArgs.tiny(sliding_window=8), seed=7)
+
+
+@pytest.mark.slow
+def test_unlimited_ocr_reads_many_pages_per_request(serve_app, unlimited_checkpoint):
+    requests = pytest.importorskip("requests")
+    from ray import serve
+
+    from decoder import build_prompt, load_tokenizer
+    from deployments.app import build
+    from tests.conftest import SERVE_URL
+    from tests.pdfs import make_pdf
+    serve.run(build(AppConfig(checkpoint=unlimited_checkpoint, max_len=4096, max_images=4)),
+              name="unlimited", route_prefix="/unlimited")
+    try:
+        url = f"{SERVE_URL}/unlimited/v1/ocr"
+        pdf = base64.b64encode(make_pdf(3)).decode()
+        body = {"document": pdf, "mode": "base", "pages_per_request": 2, "max_tokens": 5}
+        response = requests.post(url, json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        document = response.json()
+        assert [p["index"] for p in document["pages"]] == [0, 1, 2] and document["failed_pages"] == []
+        assert [p["window"] for p in document["pages"]] == [[0, 1], [0, 1], [2]]
+        tokenizer = load_tokenizer(unlimited_checkpoint)
+        # Base mode: 273 tokens a page; its own multi-page prompt for two pages, one page's for one.
+        first, _, last = document["pages"]
+        assert first["usage"]["image_tokens"] == 2 * 273 and last["usage"]["image_tokens"] == 273
+        assert first["usage"]["prompt_tokens"] == len(build_prompt(
+            tokenizer, "<image><image>Multi page parsing.", [273, 273]))
+        assert last["usage"]["prompt_tokens"] == len(build_prompt(tokenizer, "<image>document parsing.", [273]))
+        assert document["usage"]["completion_tokens"] == sum(
+            p["usage"]["completion_tokens"] for p in document["pages"]) <= 10
+        for change, field in (({"mode": "gundam"}, "mode"), ({"pages_per_request": 17}, "pages_per_request")):
+            refused = requests.post(url, json={**body, **change}, timeout=60)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+        images = requests.post(url, timeout=300, json={  # several images, one request, base mode
+            "images": [base64.b64encode(IMAGE).decode()] * 3, "mode": "base", "max_tokens": 3})
+        assert images.status_code == 200 and images.json()["usage"]["image_tokens"] == 3 * 273
+    finally:
+        serve.delete("unlimited")
