@@ -150,6 +150,8 @@ def main(argv=None) -> None:
     parser.add_argument("--config", default="gpu-shared.yaml",
                         help="a one-GPU config of deployments/configs (gpu-shared-one-encoder.yaml: "
                         "both encoder paths in one process)")
+    parser.add_argument("--family", default="deepseek-ocr", choices=("deepseek-ocr", "deepseek-ocr-2"),
+                        help="the random checkpoint's vision encoder (DeepSeek-OCR 2: DeepEncoder V2)")
     parser.add_argument("--checkpoint", help="the real-dims random checkpoint's directory: "
                         "written there unless it has one already (runs in one session share it)")
     parser.add_argument("--no_preload", action="store_true", help="Ray's workers do not import "
@@ -169,12 +171,13 @@ def main(argv=None) -> None:
 
         from decoder.config import DecoderArgs
         from deployments.model_source import write_random_model
-        from encoder.config import EncoderArgs
+        from encoder.config import EncoderArgs, EncoderV2Args
         assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU (or --smoke)"
         checkpoint = opts.checkpoint or os.path.join(work, "ckpt")
         if not os.path.isfile(os.path.join(checkpoint, "config.json")):
             start = time.perf_counter()
-            write_random_model(checkpoint, EncoderArgs(), DecoderArgs())
+            vision = EncoderV2Args() if opts.family == "deepseek-ocr-2" else EncoderArgs()
+            write_random_model(checkpoint, vision, DecoderArgs())
             print(f"checkpoint written in {time.perf_counter() - start:.0f} s", flush=True)
     config = serve_config(os.path.join(work, "serve.yaml"), checkpoint, opts.smoke, opts.routers,
                           opts.config)
@@ -236,7 +239,7 @@ def main(argv=None) -> None:
                   "overrides": OVERRIDES, "routers": opts.routers, "page": "1191x1684 PNG (text-like, distinct)",
                   "preload_modules": None if opts.no_preload else PRELOAD_MODULES,
                   "triton_cache": "this machine's" if opts.warm_triton_cache else "empty (a fresh node's)",
-                  "max_tokens": max_tokens, "requests_per_level": counts,
+                  "max_tokens": max_tokens, "requests_per_level": counts, "family": opts.family,
                   "weights": "random, real dims" if not opts.smoke else "tiny random"},
         "summary": summary, "concurrency": rows, "tiers": stats})
     if not opts.smoke:  # matplotlib is the bench extra, not on CI's machine

@@ -80,6 +80,7 @@ def deploy(name: str, checkpoint, layout: dict, smoke: bool):
     from deployments.config import AppConfig
     from deployments.decoder_server import DecoderServer
     from deployments.encoders import PathEncoder
+    from deployments.placement import ModelTiers
     from deployments.router import Router
 
     def opts(key):
@@ -93,7 +94,7 @@ def deploy(name: str, checkpoint, layout: dict, smoke: bool):
     encoders = [PathEncoder.options(name=f"{path.capitalize()}Encoder", **opts(path)).bind(path, config)
                 for path in ("global", "local")]
     decoder = DecoderServer.options(name="Decoder", **opts("decoder")).bind(config)
-    router = Router.options(**opts("router")).bind(*encoders, decoder, config)
+    router = Router.options(**opts("router")).bind(ModelTiers.of(config, *encoders, decoder), config)
     return serve.run(router, name=name, route_prefix=f"/{name}")
 
 

@@ -120,6 +120,7 @@ def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int,
 
     from deployments.config import AppConfig
     from deployments.encoders import PathEncoder
+    from deployments.placement import ModelTiers
     from deployments.router import Router
     decode = re.search(r"-decode(\d+)$", variant)
     base = variant.removesuffix(decode.group(0) if decode else "")
@@ -148,7 +149,7 @@ def through_serve(checkpoint: str, pages: list[bytes], variant: str, reps: int,
                                         ray_actor_options={"num_cpus": ENCODER_CPUS, "num_gpus": g}
                                         ).bind(path, config)
                     for path, g in zip(("global", "local"), gpus)]
-    router = Router.options(**routers).bind(*encoders, None, config)
+    router = Router.options(**routers).bind(ModelTiers.of(config, *encoders, None), config)
     handle = serve.run(router, name=f"bench-{variant}", route_prefix=f"/{variant}")
     rows, stages, encoder_stages = [], None, None
 

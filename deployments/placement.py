@@ -239,6 +239,12 @@ class ModelTiers:
     local_encoder: object | None
     decoder: object | None
 
+    @classmethod
+    def of(cls, config: AppConfig, global_encoder, local_encoder, decoder) -> list[ModelTiers]:
+        """The Router's argument for an app of one model (`config`'s) built from these handles."""
+        (model,) = config.served_models()
+        return [cls(model, global_encoder, local_encoder, decoder)]
+
 
 def model_pipeline(tiers: ModelTiers) -> OcrPipeline:
     """The pipeline of one served model: its encoder strategy (from the handles it was built

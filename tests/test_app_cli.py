@@ -1,5 +1,6 @@
 """`serve run` of the app as a user runs it: start, POST an image, Ctrl-C mid-generation: it
-shuts down cleanly and soon."""
+shuts down cleanly and soon; a config naming a DeepSeek-OCR and a DeepSeek-OCR-2 checkpoint
+serves both."""
 import base64
 import io
 import os
@@ -19,35 +20,57 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STOPS_WITHIN_S = 20  # measured ~8 s on 2 cores (Serve's own teardown ~4 of them); ~28 s before
 
 
+def serve_run(tmp_path, application: str):
+    """`serve run` of a config holding `application` (YAML of one application, beside a free
+    port) as a user runs it: (the process, its URL, its log's path). An import path always
+    takes port 8000, which another copy of the suite may hold."""
+    serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    port = free_port()
+    config = tmp_path / "app.yaml"
+    config.write_text(f"http_options: {{host: 127.0.0.1, port: {port}}}\napplications:\n{application}")
+    log = tmp_path / "serve.log"
+    # SIGINT back to its default: a test runner started in the background ignores it, and its
+    # children would inherit that, so Ctrl-C would do nothing.
+    proc = subprocess.Popen([serve_cli, "run", str(config)], cwd=ROOT, env=env,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def wait_until(proc, url: str, log, path: str = "/health", limit_s: float = 300) -> None:
+    """Poll `path` until it answers 200 (the app is up), failing with the log if it never does."""
+    deadline = time.time() + limit_s
+    while time.time() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if requests.get(f"{url}{path}", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:  # not up yet
+            pass
+        time.sleep(2)
+    pytest.fail(f"serve run did not answer {path} in {limit_s} s")
+
+
+def interrupt(proc) -> tuple[object, float]:
+    """Ctrl-C: Serve shuts the app down and exits; (its exit code, seconds it took)."""
+    interrupted = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        code = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        code = "killed"
+    return code, time.monotonic() - interrupted
+
+
 @pytest.mark.slow
 def test_serve_run_subprocess(tmp_path):
     """`serve run` of the app (`deployments.app:app`, the README's command), through a config
-    that names it and a free port (an import path always takes port 8000, which another copy
-    of the suite may hold)."""
-    serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    url = f"http://127.0.0.1:{free_port()}"
-    config = tmp_path / "app.yaml"
-    config.write_text(f"http_options: {{host: 127.0.0.1, port: {url.rsplit(':', 1)[1]}}}\n"
-                      "applications:\n- {name: default, route_prefix: /, import_path: deployments.app:app}\n")
-    log = open(tmp_path / "serve.log", "w")
-    # SIGINT back to its default: a test runner started in the background ignores it, and its
-    # children would inherit that, so Ctrl-C below would do nothing.
-    proc = subprocess.Popen([serve_cli, "run", str(config)], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    that names it and a free port."""
+    proc, url, log = serve_run(tmp_path, "- {name: default, route_prefix: /, import_path: deployments.app:app}\n")
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            assert proc.poll() is None, open(tmp_path / "serve.log").read()[-3000:]
-            try:
-                if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:  # not up yet
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail("serve run did not come up in 300 s")
+        wait_until(proc, url, log)
         buf = io.BytesIO()
         Image.new("RGB", (1400, 700), (10, 200, 30)).save(buf, "PNG")
         response = requests.post(f"{url}/v1/ocr", timeout=300, json={
@@ -68,19 +91,43 @@ def test_serve_run_subprocess(tmp_path):
         threading.Thread(target=generate, daemon=True).start()
         time.sleep(3)
     finally:
-        interrupted = time.monotonic()
-        proc.send_signal(signal.SIGINT)  # Ctrl-C: Serve shuts the app down and exits
-        try:
-            code = proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            code = "killed"
-        log.close()
-    stopped_after = time.monotonic() - interrupted
-    assert code == 0, (code, open(tmp_path / "serve.log").read()[-3000:])
+        code, stopped_after = interrupt(proc)
+    assert code == 0, (code, log.read_text()[-3000:])
     # The replicas' short graceful shutdown (deployments/config.py SHUTDOWN): seconds, not the
     # ~30 s Serve's default grace took with a generation running.
     assert stopped_after < STOPS_WITHIN_S, f"Ctrl-C took {stopped_after:.1f} s"
+
+
+@pytest.mark.slow
+def test_serve_run_of_a_config_naming_deepseek_ocr_and_deepseek_ocr_2(tmp_path):
+    """A config naming a DeepSeek-OCR checkpoint and a DeepSeek-OCR-2 one (`models`): `serve
+    run` serves both from one address, each with its own tiling and tiers."""
+    import dataclasses
+
+    from decoder import DecoderArgs
+    from deployments.model_source import write_random_model
+    from encoder import DEEPSEEK_OCR_2, EncoderV2Args, decode
+    ocr2 = write_random_model(tmp_path / "DeepSeek-OCR-2", seed=3, vision=dataclasses.replace(
+        EncoderV2Args.tiny(), n_embed=DecoderArgs.tiny().hidden))
+    proc, url, log = serve_run(tmp_path, (
+        "- name: ocr\n  route_prefix: /\n  import_path: deployments.app:build\n  args:\n"
+        f"    models:\n    - {{name: deepseek-ocr}}\n    - {{name: deepseek-ocr-2, checkpoint: {ocr2}, one_encoder: true}}\n"))
+    try:
+        wait_until(proc, url, log, "/ready")
+        assert [m["id"] for m in requests.get(f"{url}/v1/models", timeout=30).json()["data"]] == [
+            "deepseek-ocr", "deepseek-ocr-2"]
+        buf = io.BytesIO()
+        Image.new("RGB", (1400, 700), (10, 200, 30)).save(buf, "PNG")
+        tokens = {"deepseek-ocr": 483,
+                  "deepseek-ocr-2": DEEPSEEK_OCR_2.count_tokens(decode(buf.getvalue(), tiling=DEEPSEEK_OCR_2).grid)}
+        for model, expected in tokens.items():
+            response = requests.post(f"{url}/v1/ocr", timeout=300, json={
+                "image": base64.b64encode(buf.getvalue()).decode(), "max_tokens": 4, "model": model})
+            assert response.status_code == 200, response.text
+            assert response.json()["model"] == model and response.json()["usage"]["image_tokens"] == expected
+    finally:
+        code, _ = interrupt(proc)
+    assert code == 0, (code, log.read_text()[-3000:])
 
 
 def test_serve_run_of_a_missing_checkpoint_fails_with_one_clear_message(tmp_path):

@@ -113,8 +113,7 @@ def test_router_with_the_encoder_inside_fails_its_health_check_with_the_encoder(
     from deployments.router import Router
     router_class = Router.func_or_class.__bases__[0]  # the class under Serve's ASGI wrapper
     config = AppConfig(encoder_in_router=True, encode_only=True, encoder_cache_mb=0)  # every call encodes
-    (model,) = config.served_models()
-    router = router_class([ModelTiers(model, None, None, None)], config)
+    router = router_class(ModelTiers.of(config, None, None, None), config)
     asyncio.run(router.check_health())  # healthy
     assert router.stats()["encoder"]["path"] == "both"
 

@@ -77,10 +77,12 @@ def ocr2_checkpoint(tmp_path_factory):
     return write_random_model(tmp_path_factory.mktemp("ocr2"), vision=vision, seed=5)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def three_models(serve_app, ocr2_checkpoint):
     """DeepSeek-OCR's tiny model as `a` (two path encoders), and one DeepSeek-OCR-2 checkpoint
-    twice: `b` on two path encoders (the router lays the sequence out), `c` on one Encoder."""
+    twice: `b` on two path encoders (the router lays the sequence out), `c` on one Encoder.
+    Deleted after its test: its ten replicas and the next test's app would not fit the test
+    cluster's CPUs together."""
     from ray import serve
 
     from deployments.app import build

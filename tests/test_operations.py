@@ -95,13 +95,15 @@ def test_ready_answers_503_within_a_second_naming_tiers_that_are_loading():
     from starlette.requests import Request
 
     from deployments.config import AppConfig
+    from deployments.placement import ModelTiers
     from deployments.router import Router
     cls = Router.func_or_class  # the ingress wrapper: its constructor is a coroutine
     router = cls.__new__(cls)
     request = Request({"type": "http", "method": "GET", "path": "/ready", "headers": []})
 
     async def ask():
-        await router.__init__(NeverReady(), NeverReady(), NeverReady(), AppConfig())
+        config = AppConfig()
+        await router.__init__(ModelTiers.of(config, NeverReady(), NeverReady(), NeverReady()), config)
         start = time.perf_counter()
         return await router.ready(request), time.perf_counter() - start
     response, seconds = asyncio.run(ask())
@@ -117,6 +119,7 @@ def test_full_downstream_queue_answers_503_json_with_retry_after():
     from starlette.requests import Request
 
     from deployments.config import AppConfig
+    from deployments.placement import ModelTiers
     from deployments.router import Router
     cls = Router.func_or_class
     router = cls.__new__(cls)
@@ -131,7 +134,8 @@ def test_full_downstream_queue_answers_503_json_with_retry_after():
         raise BackPressureError(num_queued_requests=512, max_queued_requests=512)
 
     async def ask():
-        await router.__init__(NeverReady(), NeverReady(), NeverReady(), AppConfig())
+        config = AppConfig()
+        await router.__init__(ModelTiers.of(config, NeverReady(), NeverReady(), NeverReady()), config)
         return await router._guard(request, full_queue)
     response = asyncio.run(ask())
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
