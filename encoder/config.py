@@ -95,10 +95,7 @@ class EncoderArgs:
             raise ValueError(f"unsupported projector_type {projector['projector_type']!r}")
         default = cls()
         args = cls(
-            sam_width=sam["width"], sam_depth=sam["layers"], sam_heads=sam["heads"],
-            sam_global_blocks=tuple(sam.get("global_attn_indexes", default.sam_global_blocks)),
-            sam_window=sam.get("window_size", default.sam_window),
-            sam_out_chans=sam.get("out_chans", default.sam_out_chans),
+            **_sam_fields(sam, default),
             downsample_channels=tuple(sam.get("downsample_channels", default.downsample_channels)),
             clip_width=clip["width"], clip_depth=clip["layers"], clip_heads=clip["heads"],
             clip_patch_size=clip.get("patch_size", default.clip_patch_size),
@@ -112,31 +109,9 @@ class EncoderArgs:
 
     def to_config(self) -> dict:
         """The vision/projector part of a released-layout `config.json`."""
-        sam = {"downsample_channels": list(self.downsample_channels),
-               "global_attn_indexes": list(self.sam_global_blocks),
-               "heads": self.sam_heads, "layers": self.sam_depth, "width": self.sam_width}
-        if self.sam_window != 14 or self.sam_out_chans != 256:
-            sam |= {"window_size": self.sam_window, "out_chans": self.sam_out_chans}
-        return {
-            "model_type": "deepseek_vl_v2",
-            "architectures": ["DeepseekOCRForCausalLM"],
-            "tile_tag": "2D",
-            "global_view_pos": "head",
-            "candidate_resolutions": [[1024, 1024]],
-            "projector_config": {"input_dim": self.projector_in, "model_type": "mlp_projector",
-                                 "n_embed": self.n_embed, "projector_type": "linear"},
-            "vision_config": {
-                "image_size": self.sam_image_size, "mlp_ratio": 3.7362,
-                "model_name": "deeplip_b_l", "model_type": "vision",
-                "width": {
-                    "clip-l-14-224": {"heads": self.clip_heads, "image_size": self.clip_image_size,
-                                      "layers": self.clip_depth, "patch_size": self.clip_patch_size,
-                                      "width": self.clip_width},
-                    "sam_vit_b": sam,
-                },
-            },
-            "_name": self.name,
-        }
+        clip = {"heads": self.clip_heads, "image_size": self.clip_image_size, "layers": self.clip_depth,
+                "patch_size": self.clip_patch_size, "width": self.clip_width}
+        return _released_layout(self, "DeepseekOCRForCausalLM", "deeplip_b_l", {"clip-l-14-224": clip})
 
 
 # --- DeepSeek-OCR-2 ("DeepEncoder V2") ------------------------------------------------------------
@@ -251,10 +226,7 @@ class EncoderV2Args:
         # last entry is the Qwen2 width, whatever the config says.
         net_2 = sam.get("downsample_channels", default.downsample_channels)[0]
         args = cls(
-            sam_width=sam["width"], sam_depth=sam["layers"], sam_heads=sam["heads"],
-            sam_global_blocks=tuple(sam.get("global_attn_indexes", default.sam_global_blocks)),
-            sam_window=sam.get("window_size", default.sam_window),
-            sam_out_chans=sam.get("out_chans", default.sam_out_chans),
+            **_sam_fields(sam, default),
             downsample_channels=(net_2, width),
             qwen2_width=width,
             # Only our own tiny checkpoints write these; the release relies on the code's values.
@@ -271,11 +243,6 @@ class EncoderV2Args:
 
     def to_config(self) -> dict:
         """The vision/projector part of a released-layout DeepSeek-OCR-2 `config.json`."""
-        sam = {"downsample_channels": list(self.downsample_channels),
-               "global_attn_indexes": list(self.sam_global_blocks),
-               "heads": self.sam_heads, "layers": self.sam_depth, "width": self.sam_width}
-        if self.sam_window != 14 or self.sam_out_chans != 256:
-            sam |= {"window_size": self.sam_window, "out_chans": self.sam_out_chans}
         qwen2 = {"dim": self.qwen2_width}
         default = type(self)()
         extras = {"layers": (self.qwen2_depth, default.qwen2_depth),
@@ -284,21 +251,39 @@ class EncoderV2Args:
                   "intermediate_size": (self.qwen2_mlp_dim, default.qwen2_mlp_dim)}
         if any(value != released for value, released in extras.values()):
             qwen2 |= {k: value for k, (value, _) in extras.items()}
-        return {
-            "model_type": "deepseek_vl_v2",
-            "architectures": [OCR2_ARCHITECTURE],
-            "tile_tag": "2D",
-            "global_view_pos": "head",
-            "candidate_resolutions": [[1024, 1024]],
-            "projector_config": {"input_dim": self.projector_in, "model_type": "mlp_projector",
-                                 "n_embed": self.n_embed, "projector_type": "linear"},
-            "vision_config": {
-                "image_size": self.sam_image_size, "mlp_ratio": 3.7362,
-                "model_name": "deepencoderv2", "model_type": "vision",
-                "width": {"qwen2-0-5b": qwen2, "sam_vit_b": sam},
-            },
-            "_name": self.name,
-        }
+        return _released_layout(self, OCR2_ARCHITECTURE, "deepencoderv2", {"qwen2-0-5b": qwen2})
 
 
 __all__ = ["EncoderArgs", "EncoderV2Args", "is_ocr2_config"]
+
+
+def _sam_fields(sam: dict, default) -> dict:
+    """The SAM fields both families read from `vision_config.width.sam_vit_b`."""
+    return dict(sam_width=sam["width"], sam_depth=sam["layers"], sam_heads=sam["heads"],
+                sam_global_blocks=tuple(sam.get("global_attn_indexes", default.sam_global_blocks)),
+                sam_window=sam.get("window_size", default.sam_window),
+                sam_out_chans=sam.get("out_chans", default.sam_out_chans))
+
+
+def _released_layout(args: EncoderArgs | EncoderV2Args, architecture: str, model_name: str,
+                     widths: dict) -> dict:
+    """The released `config.json` around a family's own vision widths: SAM's, the projector,
+    the architecture's names."""
+    sam = {"downsample_channels": list(args.downsample_channels),
+           "global_attn_indexes": list(args.sam_global_blocks),
+           "heads": args.sam_heads, "layers": args.sam_depth, "width": args.sam_width}
+    if args.sam_window != 14 or args.sam_out_chans != 256:
+        sam |= {"window_size": args.sam_window, "out_chans": args.sam_out_chans}
+    return {
+        "model_type": "deepseek_vl_v2",
+        "architectures": [architecture],
+        "tile_tag": "2D",
+        "global_view_pos": "head",
+        "candidate_resolutions": [[1024, 1024]],
+        "projector_config": {"input_dim": args.projector_in, "model_type": "mlp_projector",
+                             "n_embed": args.n_embed, "projector_type": "linear"},
+        "vision_config": {"image_size": args.sam_image_size, "mlp_ratio": 3.7362,
+                          "model_name": model_name, "model_type": "vision",
+                          "width": {**widths, "sam_vit_b": sam}},
+        "_name": args.name,
+    }

@@ -386,12 +386,35 @@ class Projector(nn.Module):
 
 
 # --- the encoder and its two paths ----------------------------------------------------------------
-class DeepEncoder(nn.Module):
-    """Per-view features and the two batched paths the graph engine captures.
+class SamEncoder(nn.Module):
+    """What both families' encoders share: SAM first (`sam_model`), a projector last, and
+    pixels entering as uint8 [B, 3, S, S], normalised here on the encoder's device (so only
+    uint8 crosses process boundaries; float input is taken as already normalised)."""
 
-    Pixels enter as uint8 [B, 3, S, S] and are normalised here, on the encoder's device, so
-    only uint8 crosses process boundaries; float input is taken as already normalised.
-    """
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.projector.layers.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.projector.layers.weight.device
+
+    def set_attention(self, impl: str):
+        """Switch every SAM block between the fused and the dense-bias reference attention."""
+        for block in self.sam_model.blocks:
+            block.attn.impl = impl
+        return self
+
+    def sam_features(self, pixels):
+        """SAM's features [B, C, g, g] of the views (normalised here unless the patch kernel
+        takes the uint8 pixels itself)."""
+        if not patch_kernel_takes(pixels, self.dtype):
+            pixels = (normalize(pixels) if pixels.dtype == torch.uint8 else pixels).to(self.dtype)
+        return self.sam_model(pixels)
+
+
+class DeepEncoder(SamEncoder):
+    """DeepSeek-OCR's: per-view features and the two batched paths the graph engine captures."""
 
     tiling = DEEPSEEK_OCR  # its views: 640² crops, newline tokens
 
@@ -404,25 +427,9 @@ class DeepEncoder(nn.Module):
         self.image_newline = nn.Parameter(torch.zeros(args.n_embed))
         self.view_seperator = nn.Parameter(torch.zeros(args.n_embed))  # sic
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.projector.layers.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.projector.layers.weight.device
-
-    def set_attention(self, impl: str) -> "DeepEncoder":
-        """Switch every SAM block between the fused and the dense-bias reference attention."""
-        for block in self.sam_model.blocks:
-            block.attn.impl = impl
-        return self
-
     def features(self, pixels):
         """Fused per-view features before the projector: [B, g*g, clip_width + sam_channels]."""
-        if not patch_kernel_takes(pixels, self.dtype):
-            pixels = (normalize(pixels) if pixels.dtype == torch.uint8 else pixels).to(self.dtype)
-        sam = self.sam_model(pixels)  # [B, C, g, g]
+        sam = self.sam_features(pixels)  # [B, C, g, g]
         clip = self.vision_model(sam)  # [B, 1 + g*g, C]
         return torch.cat([clip[:, 1:], sam.flatten(2).transpose(1, 2)], dim=-1)  # CLIP, then SAM
 

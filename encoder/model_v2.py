@@ -17,18 +17,13 @@ import torch
 from torch import nn
 
 from .config import EncoderV2Args
-from .model import Projector, Sam, patch_kernel_takes
+from .model import Projector, Sam, SamEncoder
 from .qwen2_model import Qwen2Encoder
 from .tiling import DEEPSEEK_OCR_2
-from .views import normalize
 
 
-class DeepEncoderV2(nn.Module):
-    """Per-view tokens and the two batched paths a graph engine captures, as DeepEncoder's.
-
-    Pixels enter as uint8 [B, 3, S, S] and are normalised here, on the encoder's device;
-    float input is taken as already normalised.
-    """
+class DeepEncoderV2(SamEncoder):
+    """Per-view tokens and the two batched paths a graph engine captures, as DeepEncoder's."""
 
     tiling = DEEPSEEK_OCR_2  # its views: 768² crops, no newline tokens
 
@@ -40,25 +35,9 @@ class DeepEncoderV2(nn.Module):
         self.projector = Projector(args)
         self.view_seperator = nn.Parameter(torch.zeros(args.n_embed))  # sic
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.projector.layers.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.projector.layers.weight.device
-
-    def set_attention(self, impl: str) -> "DeepEncoderV2":
-        """Switch every SAM block between the fused and the dense-bias reference attention."""
-        for block in self.sam_model.blocks:
-            block.attn.impl = impl
-        return self
-
     def features(self, pixels):
         """The queries' states before the projector: [B, (S/64)^2, qwen2_width]."""
-        if not patch_kernel_takes(pixels, self.dtype):
-            pixels = (normalize(pixels) if pixels.dtype == torch.uint8 else pixels).to(self.dtype)
-        return self.qwen2_model(self.sam_model(pixels))  # SAM: [B, C, g, g]
+        return self.qwen2_model(self.sam_features(pixels))  # SAM: [B, C, g, g]
 
     def forward_views(self, pixels):
         """[B, 3, S, S] -> [B, (S/64)^2, n_embed]: S = 1024 (256 tokens) or 768 (144)."""
