@@ -45,8 +45,9 @@ TARGETS = {"speedup_vs_transformers": 3.0, "best_mfu": 0.45, "page_b1_ms": 12.0}
 def theirs_encode(model, global_views, crops, crops_per_image):
     """transformers' vision tower and projector on normalised views: the image features a
     DeepseekOcr2 model puts in its sequence (its `pooler_output`: crops, global, separator)."""
-    out = model.get_image_features(normalize(global_views), normalize(crops), crops_per_image,
-                                   return_dict=True)
+    dtype = next(model.parameters()).dtype
+    out = model.get_image_features(normalize(global_views).to(dtype), normalize(crops).to(dtype),
+                                   crops_per_image, return_dict=True)
     return out.pooler_output
 
 
