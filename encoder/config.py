@@ -83,16 +83,7 @@ class EncoderArgs:
     @classmethod
     def from_config(cls, config: dict) -> "EncoderArgs":
         """Read the vision/projector fields of a released-layout `config.json` dict."""
-        try:
-            widths = config["vision_config"]["width"]
-            sam = next(v for k, v in widths.items() if k.startswith("sam"))
-            clip = next(v for k, v in widths.items() if k.startswith("clip"))
-            projector = config["projector_config"]
-        except (KeyError, StopIteration, TypeError, AttributeError) as e:
-            raise ValueError("config.json lacks vision_config.width.{sam_vit_b,clip-l-14-224} "
-                             f"or projector_config ({e!r})") from None
-        if projector.get("projector_type", "linear") != "linear":
-            raise ValueError(f"unsupported projector_type {projector['projector_type']!r}")
+        sam, clip, projector = _released_widths(config, "clip", "clip-l-14-224")
         default = cls()
         args = cls(
             **_sam_fields(sam, default),
@@ -208,17 +199,11 @@ class EncoderV2Args:
     @classmethod
     def from_config(cls, config: dict) -> "EncoderV2Args":
         """Read the vision/projector fields of DeepSeek-OCR-2's released `config.json` dict."""
+        sam, qwen2, projector = _released_widths(config, "qwen2", "qwen2-0-5b")
         try:
-            widths = config["vision_config"]["width"]
-            sam = next(v for k, v in widths.items() if k.startswith("sam"))
-            qwen2 = next(v for k, v in widths.items() if k.startswith("qwen2"))
             width = qwen2["dim"]
-            projector = config["projector_config"]
-        except (KeyError, StopIteration, TypeError, AttributeError) as e:
-            raise ValueError("config.json lacks vision_config.width.{sam_vit_b,qwen2-0-5b.dim} "
-                             f"or projector_config ({e!r})") from None
-        if projector.get("projector_type", "linear") != "linear":
-            raise ValueError(f"unsupported projector_type {projector['projector_type']!r}")
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"config.json lacks vision_config.width.qwen2-0-5b.dim ({e!r})") from None
         default = cls()
         # The released config copies DeepSeek-OCR's SAM `downsample_channels` ([512, 1024]);
         # DeepSeek-OCR-2's code ignores it and builds net_3 with the Qwen2 width as its output
@@ -255,6 +240,23 @@ class EncoderV2Args:
 
 
 __all__ = ["EncoderArgs", "EncoderV2Args", "is_ocr2_config"]
+
+
+def _released_widths(config: dict, tower: str, tower_name: str) -> tuple[dict, dict, dict]:
+    """SAM's and the second tower's entries of `vision_config.width` (`tower`: the prefix of
+    its key, CLIP's or Qwen2's), and the linear projector's config; ValueError naming what a
+    config.json lacks."""
+    try:
+        widths = config["vision_config"]["width"]
+        sam = next(v for k, v in widths.items() if k.startswith("sam"))
+        second = next(v for k, v in widths.items() if k.startswith(tower))
+        projector = config["projector_config"]
+    except (KeyError, StopIteration, TypeError, AttributeError) as e:
+        raise ValueError(f"config.json lacks vision_config.width.{{sam_vit_b,{tower_name}}} "
+                         f"or projector_config ({e!r})") from None
+    if projector.get("projector_type", "linear") != "linear":
+        raise ValueError(f"unsupported projector_type {projector['projector_type']!r}")
+    return sam, second, projector
 
 
 def _sam_fields(sam: dict, default) -> dict:

@@ -16,15 +16,19 @@ def unlimited_ocr():
                                reason="transformers >= 5.20 (unlimited_ocr) not installed")
 
 
+def sam_config(args) -> dict:
+    """transformers' SAM vision config (either family's) at `args`'s SAM dims."""
+    return dict(hidden_size=args.sam_width, num_hidden_layers=args.sam_depth,
+                num_attention_heads=args.sam_heads, mlp_dim=args.sam_mlp_dim,
+                window_size=args.sam_window, global_attn_indexes=list(args.sam_global_blocks),
+                output_channels=args.sam_out_chans, downsample_channels=list(args.downsample_channels))
+
+
 def unlimited_ocr_config(args: EncoderArgs):
     from transformers import UnlimitedOcrConfig
 
     vision = {
-        "sam_config": dict(hidden_size=args.sam_width, num_hidden_layers=args.sam_depth,
-                           num_attention_heads=args.sam_heads, mlp_dim=args.sam_mlp_dim,
-                           window_size=args.sam_window, global_attn_indexes=list(args.sam_global_blocks),
-                           output_channels=args.sam_out_chans,
-                           downsample_channels=list(args.downsample_channels)),
+        "sam_config": sam_config(args),
         "encoder_config": dict(hidden_size=args.clip_width, intermediate_size=args.clip_mlp_dim,
                                num_hidden_layers=args.clip_depth, num_attention_heads=args.clip_heads),
     }

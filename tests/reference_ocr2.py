@@ -20,6 +20,7 @@ import torch
 from PIL import Image, ImageOps
 
 from encoder.config import EncoderV2Args
+from tests.reference import sam_config
 
 # DeepSeek-OCR-2's config.py
 BASE_SIZE, IMAGE_SIZE, MIN_CROPS, MAX_CROPS = 1024, 768, 2, 6
@@ -129,11 +130,7 @@ def deepseek_ocr2_config(args: EncoderV2Args):
     from transformers import DeepseekOcr2Config
 
     vision = {
-        "sam_config": dict(hidden_size=args.sam_width, num_hidden_layers=args.sam_depth,
-                           num_attention_heads=args.sam_heads, mlp_dim=args.sam_mlp_dim,
-                           window_size=args.sam_window, global_attn_indexes=list(args.sam_global_blocks),
-                           output_channels=args.sam_out_chans,
-                           downsample_channels=list(args.downsample_channels)),
+        "sam_config": sam_config(args),
         "encoder_config": dict(hidden_size=args.qwen2_width, intermediate_size=args.qwen2_mlp_dim,
                                num_hidden_layers=args.qwen2_depth, num_attention_heads=args.qwen2_heads,
                                num_key_value_heads=args.qwen2_kv_heads, rms_norm_eps=args.rms_eps,
