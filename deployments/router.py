@@ -1,8 +1,8 @@
 """The Router: the app's ingress. HTTP in (API key, admission, body parsing, the error envelope,
 server-sent events, liveness and readiness) and Python handle calls -> one call into the
-`OcrPipeline` (deployments/pipeline.py) -> HTTP or a dict out. No model math, no placement:
-where the encoder runs is the pipeline's encoder strategy (deployments/placement.py), chosen
-here once, from the handles the app was built with.
+`OcrPipeline` (deployments/pipeline.py) of the model the request names -> HTTP or a dict out.
+No model math, no placement: each served model's pipeline, with its encoder strategy, is built
+once from the handles the app was built with (`placement.model_pipeline`).
 
 (No `from __future__ import annotations` here: FastAPI reads the endpoint annotations at runtime.)
 """
