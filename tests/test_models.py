@@ -224,3 +224,37 @@ def test_unlimited_ocr_reads_many_pages_per_request(serve_app, unlimited_checkpo
         assert images.status_code == 200 and images.json()["usage"]["image_tokens"] == 3 * 273
     finally:
         serve.delete("unlimited")
+
+
+def test_a_multi_page_prompt_is_laid_out_as_transformers_unlimited_ocr_lays_it_out():
+    """Our prompt ids for three pages in base mode against transformers' `UnlimitedOcrProcessor`
+    expanding each <image> itself (`replace_image_token`; its image processor needs torchvision,
+    so the three pages' base-mode layouts are given to it as its image processor reports them),
+    tokenized by the same tokenizer.json: equal after the BOS DeepSeek's prompts begin with."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("transformers.models.unlimited_ocr.processing_unlimited_ocr")
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.unlimited_ocr.processing_unlimited_ocr import UnlimitedOcrProcessor
+
+    from decoder import build_prompt, load_tokenizer
+    from deployments.model_source import resolve_checkpoint
+    from deployments.protocol import OcrOptions
+    from encoder import DEEPSEEK_OCR, decode
+    directory, _ = resolve_checkpoint(None)
+    pages = [png(size) for size in ((1191, 1684), (800, 600), (300, 2000))]
+    tokens = [decode(page, mode="base").num_tokens for page in pages]
+    assert tokens == [DEEPSEEK_OCR.count_tokens((1, 1))] * 3 == [273] * 3
+    prompt = OcrOptions().prompt_for(3, 16, "parse_pages")
+    assert prompt == "<image><image><image>Multi page parsing."
+    ours = build_prompt(load_tokenizer(directory), prompt, tokens)
+
+    processor = SimpleNamespace(image_token="<image>", patch_size=16, downsample_ratio=4,
+                                image_processor=SimpleNamespace(size={"height": 1024, "width": 1024},
+                                                                tile_size=640))
+    layout = {"patches_grid": [(1, 1)] * 3, "num_local_patches": [0] * 3}  # base mode: no tiles
+    first, *after = prompt.split("<image>")
+    expanded = first + "".join(UnlimitedOcrProcessor.replace_image_token(processor, layout, i) + text
+                               for i, text in enumerate(after))
+    theirs = PreTrainedTokenizerFast(tokenizer_file=f"{directory}/tokenizer.json")(expanded)["input_ids"]
+    assert ours[0] == 0 and ours[1:] == theirs
