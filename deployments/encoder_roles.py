@@ -95,7 +95,7 @@ class Role:
 
 
 class GlobalPath(Role):
-    """The GlobalEncoder: an image's global view -> its tokens [g*(g+1), D]."""
+    """The GlobalEncoder: an image's global view -> its tokens ([g*(g+1), D]; DeepSeek-OCR 2: [256, D])."""
 
     name, label, paths = "global", "GlobalEncoder", ("global",)
 
@@ -116,7 +116,7 @@ class GlobalPath(Role):
 
 
 class LocalPath(Role):
-    """The LocalEncoder: a tiled image's crops -> their tokens [P, 100, D]."""
+    """The LocalEncoder: a tiled image's crops -> their tokens ([P, 100, D]; DeepSeek-OCR 2: [P, 144, D])."""
 
     name, label, paths = "local", "LocalEncoder", ("local",)
 

@@ -1,6 +1,6 @@
 """GlobalEncoder, LocalEncoder and Encoder: one deployment class running the encode engine in the
-role it was built for (`encoder_roles.ROLES`): one path each, or (one_encoder, and the Router's own process
-with encoder_in_router) both paths and the image's whole sequence.
+role it was built for (`encoder_roles.ROLES`): one path each, or (one_encoder, and the Router's
+own process with encoder_in_router) both paths and the image's whole sequence.
 
 A replica loads the encoder and builds `DualPathEncoder(paths=role.paths)`, the same engine the
 in-process API and the benchmarks run: requests that queued while the batch before ran
@@ -14,7 +14,8 @@ What a replica is sent, each image as it stands at one stage of its way:
   `ImageHeader`   its bytes and what their header says (decode_on_encoder): decoded here;
   `DecodedImage`  its decoded pixels with its grid: this replica makes its role's views;
   a tensor        views the router made (views_on_encoder false): a global view [3, S, S] to
-                  the GlobalEncoder, an image's crops [P, 3, 640, 640] to the LocalEncoder.
+                  the GlobalEncoder, an image's crops [P, 3, C, C] to the LocalEncoder (C: the
+                  family's crop side, 640 or 768).
 Tensors cross processes in one format: raw bytes out of band (`protocol.send_tensors_out_of_band`,
 which every replica process calls).
 
@@ -55,7 +56,7 @@ Sent = ImageHeader | DecodedImage | torch.Tensor  # what `encode` takes (see abo
 @dataclass
 class DeviceViews:
     """One image's views on this replica's device, as its role's paths take them: the global
-    view [3, S, S] and the crops [P, 3, 640, 640], None where the role sends nothing to that
+    view [3, S, S] and the crops [P, 3, C, C], None where the role sends nothing to that
     path; `ready` (CUDA): recorded on the stream that made them, which the batch's stream waits
     for."""
 
@@ -130,10 +131,9 @@ class EncoderReplica:
         return engine
 
     async def encode(self, sent: Sent) -> torch.Tensor:
-        """One image, as sent (module docstring) -> what its role returns: the GlobalEncoder its
-        global view's tokens [g*(g+1), D], the LocalEncoder its crops' tokens [P, 100, D], the
-        Encoder its whole sequence [num_tokens, D] (crops' grid with newlines, global view,
-        separator)."""
+        """One image, as sent (module docstring) -> what its role returns (`encoder_roles`): the
+        GlobalEncoder its global view's tokens, the LocalEncoder its crops' tokens, the Encoder
+        its whole sequence [num_tokens, D] in its family's layout."""
         entered = time.perf_counter()
         image = await self._arrive(sent)
         result = await self.batches.submit(image)

@@ -27,8 +27,15 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
+
+from common import switches
 
 from .config import EncoderV2Args
+
+# The causal-flow mask as two mask-free attentions (`flow_attention`); off by default until it is
+# measured on a GPU against the masked reference.
+SPLIT_FLOW = switches.on("DEEPSEEK_OCR_SPLIT_FLOW_ATTENTION")
 
 # The two learned query tables, named by the side of the view they serve; a view of that side
 # has (side / 64)² SAM tokens and as many queries.
@@ -85,18 +92,33 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+def flow_attention(q, k, v, mask: torch.Tensor, n_image: int, split: bool) -> torch.Tensor:
+    """SDPA over [image tokens ; queries] under the causal-flow mask. `split`: as two attentions
+    with no mask tensor, which SDPA's flash and memory-efficient kernels take: the image rows
+    over the image keys alone (they see no query), and the query rows over every key, causal
+    aligned to the lower right (query i sees the n_image image keys and queries 0..i). The
+    reference twin: one SDPA with the boolean mask (which keeps it off the flash kernel)."""
+    if not split:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    image = F.scaled_dot_product_attention(q[:, :, :n_image], k[:, :, :n_image], v[:, :, :n_image])
+    queries = F.scaled_dot_product_attention(
+        q[:, :, n_image:], k, v, attn_mask=causal_lower_right(q.shape[2] - n_image, k.shape[2]))
+    return torch.cat([image, queries], dim=2)
+
+
 class Qwen2Attention(nn.Module):
     """Grouped-query attention: q, k, v with biases, o without (Qwen2's attention_bias)."""
 
     def __init__(self, args: EncoderV2Args):
         super().__init__()
+        self.split_flow = SPLIT_FLOW  # `flow_attention`'s split (tests set it per module)
         self.heads, self.kv_heads, self.head_dim = args.qwen2_heads, args.qwen2_kv_heads, args.qwen2_head_dim
         self.q_proj = nn.Linear(args.qwen2_width, self.heads * self.head_dim)
         self.k_proj = nn.Linear(args.qwen2_width, self.kv_heads * self.head_dim)
         self.v_proj = nn.Linear(args.qwen2_width, self.kv_heads * self.head_dim)
         self.o_proj = nn.Linear(self.heads * self.head_dim, args.qwen2_width, bias=False)
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, mask, n_image: int):
         bsz, seqlen, _ = x.shape
         q = self.q_proj(x).view(bsz, seqlen, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(bsz, seqlen, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -108,7 +130,7 @@ class Qwen2Attention(nn.Module):
         rep = self.heads // self.kv_heads
         k = k[:, :, None].expand(-1, -1, rep, -1, -1).reshape(bsz, self.heads, seqlen, self.head_dim)
         v = v[:, :, None].expand(-1, -1, rep, -1, -1).reshape(bsz, self.heads, seqlen, self.head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, heads, T, head_dim]
+        out = flow_attention(q, k, v, mask, n_image, self.split_flow)  # [B, heads, T, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seqlen, self.heads * self.head_dim))
 
 
@@ -131,8 +153,8 @@ class Qwen2Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.qwen2_width, args.rms_eps)
         self.mlp = Qwen2MLP(args)
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def forward(self, x, cos, sin, mask, n_image: int):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, n_image)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -184,5 +206,5 @@ class Qwen2Encoder(nn.Module):
         cos, sin = rope_tables(2 * n, self.args.qwen2_head_dim, self.args.rope_theta, x.device, x.dtype)
         stack = self.model.model
         for layer in stack.layers:
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin, mask, n)
         return stack.norm(x[:, n:])  # the norm is per token: only the queries' rows are needed

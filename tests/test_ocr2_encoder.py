@@ -182,3 +182,29 @@ def test_real_dims_match_transformers_names_and_shapes():
     assert {k: their_shapes.get(k) for k in ours} == ours
     their_vision = {k for k in their_shapes if not k.startswith(("model.language_model.", "lm_head."))}
     assert their_vision == set(ours)
+
+
+@pytest.mark.parametrize("n_image", [144, 256])
+def test_split_flow_attention_equals_the_masked_attention(n_image):
+    """DEEPSEEK_OCR_SPLIT_FLOW_ATTENTION's two mask-free SDPAs (image rows; query rows causal
+    lower-right) against the one masked SDPA (the reference), fp32, grouped heads repeated."""
+    from encoder.qwen2_model import flow_attention
+    gen = torch.Generator().manual_seed(n_image)
+    q, k, v = (torch.randn(2, 14, 2 * n_image, 64, generator=gen) for _ in range(3))
+    mask = causal_flow_mask(n_image, n_image, torch.device("cpu"))
+    reference = flow_attention(q, k, v, mask, n_image, split=False)
+    split = flow_attention(q, k, v, mask, n_image, split=True)
+    assert rel_err(split, reference) < 1e-6
+
+
+def test_encoder_with_split_flow_attention_equals_the_reference():
+    encoder = random_encoder(EncoderV2Args.tiny(), seed=4)
+    pixels = [torch.randint(0, 256, (2, 3, size, size), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(size)) for size in (1024, 768)]
+    with torch.inference_mode():
+        reference = [encoder.forward_global(pixels[0]), encoder.forward_local(pixels[1])]
+        for layer in encoder.qwen2_model.model.model.layers:
+            layer.self_attn.split_flow = True
+        split = [encoder.forward_global(pixels[0]), encoder.forward_local(pixels[1])]
+    for got, want in zip(split, reference):
+        assert rel_err(got, want) < 1e-5
