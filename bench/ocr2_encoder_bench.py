@@ -12,7 +12,8 @@ excluded on both sides):
   - one page at batch 1: ours with graphs (the app's engine, default budgets), ours eager, and
     transformers (`get_image_features` + projector);
   - pages/s at batch 8/16/32: the same three; transformers batched (all views of the batch in
-    one call, its best case) and one image at a time (as vLLM's deepseek_ocr2 loops);
+    one call, its best case) and one image at a time (as vLLM's deepseek_ocr2 loops); and ours
+    with graphs of the split causal-flow attention (DEEPSEEK_OCR_SPLIT_FLOW_ATTENTION's path);
   - MFU against the measured bf16 peak (encoder/flops.py counts only the attention the mask
     allows); graph memory and capture time;
   - our sequences against theirs (rel error, bf16).
@@ -64,6 +65,11 @@ def main(argv=None):
     engine = DualPathEncoder(ours, max_images=32)  # the app's engine and default budgets
     capture_s = time.perf_counter() - start
     eager = DualPathEncoder(ours, max_images=32, use_graphs=False)
+    # The same engine with DEEPSEEK_OCR_SPLIT_FLOW_ATTENTION's path, captured after the switch is
+    # set on every layer (the graphs above keep the masked reference they were captured with).
+    for layer in ours.qwen2_model.model.model.layers:
+        layer.self_attn.split_flow = True
+    split = DualPathEncoder(ours, max_images=32)
     stats = engine.stats()
     print(f"captured {len(engine.global_path.graphs)} + {len(engine.local_path.graphs)} graphs in "
           f"{capture_s:.1f} s, {engine.graph_memory_bytes / 2**30:.2f} GB", flush=True)
@@ -81,6 +87,7 @@ def main(argv=None):
         with torch.inference_mode():
             row = {
                 "ours_graphs_ms": wall_ms(lambda: engine.encode(staged), opts.iters),
+                "ours_graphs_split_flow_ms": wall_ms(lambda: split.encode(staged), opts.iters),
                 "ours_eager_ms": wall_ms(lambda: eager.encode(staged), opts.iters),
                 "transformers_batched_ms": wall_ms(
                     lambda: theirs_encode(theirs, global_views, crops, [6] * batch), opts.iters),
@@ -90,6 +97,7 @@ def main(argv=None):
                     theirs_encode(theirs, global_views[i:i + 1], crops[6 * i:6 * i + 6], [6])
                     for i in range(batch)], max(3, opts.iters // 4))
             got = torch.cat(engine.encode(staged))
+            row["split_flow_rel_err"] = rel_err(torch.cat(split.encode(staged)).float(), got.float())
             want = theirs_encode(theirs, global_views, crops, [6] * batch)
             want = torch.cat(list(want)) if isinstance(want, (list, tuple)) else want.reshape(got.shape)
             equal[batch] = rel_err(got.float(), want.float())
@@ -106,6 +114,8 @@ def main(argv=None):
         "page_b1_ms": results[1]["ours_graphs_ms"],
         "transformers_page_b1_ms": results[1]["transformers_batched_ms"],
         "best_pages_per_s": results[best]["ours_graphs_pages_per_s"], "best_batch": best,
+        "split_flow_page_b1_ms": results[1]["ours_graphs_split_flow_ms"],
+        "best_split_flow_pages_per_s": max(results[b]["ours_graphs_split_flow_pages_per_s"] for b in BATCHES),
         "best_transformers_batched_pages_per_s": best_reference,
         "speedup_vs_transformers": results[best]["ours_graphs_pages_per_s"] / best_reference,
         "best_mfu": results[best]["ours_graphs_mfu"],
