@@ -27,7 +27,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from common import switches
 
@@ -100,6 +99,8 @@ def flow_attention(q, k, v, mask: torch.Tensor, n_image: int, split: bool) -> to
     reference twin: one SDPA with the boolean mask (which keeps it off the flash kernel)."""
     if not split:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    # Imported here: the module imports torch._dynamo (~1-2 s of a replica's start-up).
+    from torch.nn.attention.bias import causal_lower_right
     image = F.scaled_dot_product_attention(q[:, :, :n_image], k[:, :, :n_image], v[:, :, :n_image])
     queries = F.scaled_dot_product_attention(
         q[:, :, n_image:], k, v, attn_mask=causal_lower_right(q.shape[2] - n_image, k.shape[2]))
