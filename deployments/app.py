@@ -16,14 +16,17 @@ import ray
 from ray.serve import Application
 
 from . import PRELOAD_MODULES
+from .probes import PROXY_CALLBACK
 
-# `serve run deployments.app:...` imports this module before it starts its local Ray cluster:
-# the workers that cluster starts ahead then import the app's modules (torch included) before
-# they are given a replica, so the replicas, the Router first among them, start seconds sooner
-# (a /health probe during start-up waits for the Router). A cluster started elsewhere sets it
-# in its own `ray start` environment (cluster.yaml).
+# `serve run deployments.app:...` imports this module before it starts its local Ray cluster,
+# whose processes inherit this environment: the workers that cluster starts ahead import the
+# app's modules (torch included) before they are given a replica, and Serve's proxy answers
+# /health and /ready itself until a Router replica is up (deployments/probes.py). A cluster
+# started elsewhere sets both in its own `ray start` environment (cluster.yaml; README).
 if not ray.is_initialized():
     os.environ.setdefault("RAY_preload_python_modules", PRELOAD_MODULES)
+    for name, value in PROXY_CALLBACK.items():
+        os.environ.setdefault(name, value)
 
 from .config import AppConfig, ServedModel
 from .decoder_server import DecoderServer

@@ -5,6 +5,7 @@ import base64
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +14,8 @@ import time
 import pytest
 from PIL import Image
 
+from deployments import PRELOAD_MODULES
+from deployments.probes import PROXY_CALLBACK
 from tests.helpers import free_port
 
 requests = pytest.importorskip("requests")
@@ -20,12 +23,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STOPS_WITHIN_S = 20  # measured ~8 s on 2 cores (Serve's own teardown ~4 of them); ~28 s before
 
 
-def serve_run(tmp_path, application: str):
+def serve_run(tmp_path, application: str, env: dict | None = None):
     """`serve run` of a config holding `application` (YAML of one application, beside a free
-    port) as a user runs it: (the process, its URL, its log's path). An import path always
-    takes port 8000, which another copy of the suite may hold."""
+    port) as a user runs it, with `env` added to a clean environment: (the process, its URL,
+    its log's path). An import path always takes port 8000, which another copy of the suite may
+    hold."""
     serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, **(env or {})}
     port = free_port()
     config = tmp_path / "app.yaml"
     config.write_text(f"http_options: {{host: 127.0.0.1, port: {port}}}\napplications:\n{application}")
@@ -62,6 +66,54 @@ def interrupt(proc) -> tuple[object, float]:
         os.killpg(proc.pid, signal.SIGKILL)
         code = "killed"
     return code, time.monotonic() - interrupted
+
+
+@pytest.mark.slow
+def test_health_and_ready_answer_within_a_second_while_the_app_starts(tmp_path):
+    """From the moment the port accepts, every probe is answered within a second: 503
+    "starting" (Serve's proxy, deployments/probes.py) until a Router is up, then the Router's
+    own answers, until /ready says ready. The environment is the README's for a config file."""
+    proc, url, log = serve_run(tmp_path, "- {name: default, route_prefix: /, import_path: deployments.app:app}\n",
+                               env=PROXY_CALLBACK)
+    port = int(url.rsplit(":", 1)[1])
+    answers = []  # (path, status, body's "status", seconds it took)
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # until the port accepts
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        while not answers or answers[-1][:2] != ("/ready", 200):
+            assert time.monotonic() < deadline, answers[-6:]
+            for path in ("/health", "/ready"):
+                sent = time.monotonic()
+                response = requests.get(url + path, timeout=30)
+                said = (response.json()["status"] if response.headers.get("content-type") ==
+                        "application/json" else response.text[:40])  # Serve's own text: "not found"
+                answers.append((path, response.status_code, said, time.monotonic() - sent))
+            time.sleep(0.1)
+    finally:
+        interrupt(proc)
+    slow = [a for a in answers if a[3] > 1.0]
+    assert not slow, slow
+    statuses = {a[:3] for a in answers}
+    assert ("/health", 503, "starting") in statuses and ("/ready", 503, "starting") in statuses
+    assert statuses <= {("/health", 503, "starting"), ("/ready", 503, "starting"),
+                        ("/health", 200, "ok"), ("/ready", 503, "not ready"), ("/ready", 200, "ready")}
+
+
+def test_the_app_sets_the_start_up_environment_before_ray_starts():
+    """`serve run deployments.app:...` (the README's command) imports the app before it starts
+    its local cluster, whose proxy and workers inherit these."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    printed = subprocess.run([sys.executable, "-c", "import os, deployments.app; print(os.environ["
+                              "'RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH'], os.environ["
+                              "'RAY_preload_python_modules'])"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert printed == [*PROXY_CALLBACK.values(), PRELOAD_MODULES]
 
 
 @pytest.mark.slow

@@ -1,0 +1,79 @@
+"""Liveness and readiness probes answered within a second while the app starts.
+
+Serve's proxy opens the HTTP port before the app's Router replica exists: it answers 404 until
+the app's route is registered, then holds any request for it until a Router replica is up
+(seconds: a fresh worker process imports torch and the app while the other tiers start beside
+it). A probe must not wait that long, so this middleware, run inside the proxy (Serve's
+`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, set by `deployments.app` before it starts Ray and by
+cluster.yaml), passes `GET .../health` and `.../ready` on to the Router and, when no Router
+answers within ANSWER_WITHIN_S (or the route is not registered yet), answers them itself:
+503, `Retry-After`, in the app's error envelope. Every other request passes untouched.
+
+Plain ASGI, importing nothing of the app: the proxy process loads no torch for it.
+"""
+import asyncio
+import json
+
+from starlette.middleware import Middleware
+
+PROBES = ("/health", "/ready")
+# A probe's answer, the Router's or this one, comes within a second; a running Router answers in
+# milliseconds.
+ANSWER_WITHIN_S = 0.5
+RETRY_AFTER_S = 1
+# The environment variable through which Serve's proxy loads `proxy_middlewares`.
+PROXY_CALLBACK = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.probes:proxy_middlewares"}
+
+
+class StartupProbes:
+    """ASGI middleware: a probe the Router does not answer in time is answered 503 here."""
+
+    def __init__(self, app, answer_within_s: float = ANSWER_WITHIN_S):
+        self.app = app
+        self.answer_within_s = answer_within_s
+        self.answered: set[str] = set()  # probe paths a Router has answered: started
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if (scope["type"] != "http" or scope["method"] != "GET"
+                or not path.rstrip("/").endswith(PROBES) or path in self.answered):
+            return await self.app(scope, receive, send)
+        messages = []
+
+        async def keep(message):
+            messages.append(message)
+
+        call = asyncio.ensure_future(self.app(scope, receive, keep))
+        finished, _ = await asyncio.wait([call], timeout=self.answer_within_s)
+        if not finished:  # the route is held: no Router replica is up yet
+            call.cancel()
+            return await _unavailable(send, f"no Router replica answered within "
+                                            f"{self.answer_within_s:g} s: the app is starting")
+        call.result()
+        if _not_routed(messages):  # Serve's own 404: the app's route is not registered yet
+            return await _unavailable(send, "the app is starting: its route is not registered yet")
+        self.answered.add(path)
+        for message in messages:
+            await send(message)
+
+
+def _not_routed(messages: list) -> bool:
+    """The proxy's plain-text 404 for a path no application serves (the Router's are JSON)."""
+    start = messages[0] if messages else {}
+    headers = dict(start.get("headers", []))
+    return start.get("status") == 404 and not headers.get(b"content-type", b"").startswith(
+        b"application/json")
+
+
+async def _unavailable(send, message: str) -> None:
+    body = json.dumps({"status": "starting", "error": {
+        "message": message, "type": "unavailable", "param": None, "code": None}}).encode()
+    await send({"type": "http.response.start", "status": 503, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        (b"retry-after", str(RETRY_AFTER_S).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def proxy_middlewares() -> list[Middleware]:
+    """What Serve's proxy calls (PROXY_CALLBACK) for the middlewares it wraps itself in."""
+    return [Middleware(StartupProbes)]
