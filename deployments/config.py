@@ -43,6 +43,10 @@ class AppConfig(BaseModel):
     max_batch: int = Field(
         256, ge=1, le=1024, description="decoder sequences decoded together, at most (as many as "
         "the KV cache's pages hold)")
+    decoder_queue: int = Field(
+        256, ge=0, le=4096, description="requests a Decoder replica holds waiting (for a batch "
+        "slot or KV-cache pages) beside those it decodes; more are refused at once with HTTP 503 "
+        "and Retry-After (waiting ones keep their time limits)")
     kv_cache_gb: float | None = Field(
         None, gt=0, description="decoder KV-cache size in GB (pages shared by all sequences); "
         "none: 70% of what the decoder's GPU memory share leaves after weights, less a 4 GB "
@@ -85,8 +89,10 @@ class AppConfig(BaseModel):
     encoder_cache_mb: int = Field(
         512, ge=0, le=65_536, description="router cache of encoded images (repeated pages skip "
         "the GPU); 0: off")
-    max_inflight_requests: int = Field(
-        64, ge=1, le=100_000, description="requests one Router replica works on; more get HTTP 503")
+    max_inflight_requests: int | None = Field(
+        None, ge=1, le=100_000, description="requests one Router replica works on; more get HTTP "
+        "503; none: what the decoders hold (max_batch + decoder_queue of each model), so one "
+        "Router can keep them full")
     request_timeout_s: float = Field(
         600, gt=0, le=3600, description="a request's time limit (HTTP 408), unless it sets timeout_s")
     served_model_name: str | None = Field(
@@ -128,6 +134,13 @@ class AppConfig(BaseModel):
         return [ServedModel(AppConfig(**{**shared, **{k: v for k, v in entry.items() if k != "name"},
                                          "served_model_name": entry["name"]}), several=True)
                 for entry in self.models]
+
+    def inflight_limit(self) -> int:
+        """Requests one Router replica works on (`max_inflight_requests`)."""
+        if self.max_inflight_requests is not None:
+            return self.max_inflight_requests
+        return sum(model.config.max_batch + model.config.decoder_queue
+                   for model in self.served_models())
 
     def gpu_memory_fraction(self, deployment: str) -> float | None:
         """The cap of "global", "local", "decoder", or "both" (one_encoder: the two encoders'
@@ -183,7 +196,7 @@ class AppConfig(BaseModel):
 # limits, admission, fetching) are the app's, shared by every model.
 MODEL_ARGUMENTS = frozenset({
     "checkpoint", "encode_only", "use_graphs", "max_images", "max_graph_memory_gb", "max_batch",
-    "kv_cache_gb", "max_len", "one_encoder", "encoder_in_router", "views_on_encoder",
+    "decoder_queue", "kv_cache_gb", "max_len", "one_encoder", "encoder_in_router", "views_on_encoder",
     "decode_on_encoder", "views_on_arrival", "encoder_decode_threads", "encoder_cache_mb",
     "gpu_memory_fraction_global", "gpu_memory_fraction_local", "gpu_memory_fraction_decoder"})
 

@@ -15,9 +15,11 @@ from collections.abc import AsyncIterator
 import ray
 import torch
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 
 from decoder import (AsyncEngine, GenerationEngine, GenerationRequest, SamplingParams, load_decoder,
                      load_tokenizer)
+from scheduler import DecoderAdmission
 
 from .config import PROBE_EVERY_S, SHUTDOWN, STUCK_AFTER_S, AppConfig
 from .metrics import decoder_metrics
@@ -25,9 +27,11 @@ from .model_source import (device_and_dtype, prepare_replica_process, replica_id
                            start_cuda, startup_phases)
 
 
-# max_queued_requests: past it, callers get BackPressureError at once (the router answers 503
-# with Retry-After) instead of queueing without bound.
-@serve.deployment(max_ongoing_requests=288, max_queued_requests=512,
+# Admission is the replica's own (`DecoderAdmission`: what it decodes plus `decoder_queue`
+# waiting), so every request must reach it: max_ongoing_requests above any max_batch +
+# decoder_queue a config sets. max_queued_requests bounds Serve's queue should one still form:
+# past it, callers get BackPressureError at once, as from a full decoder.
+@serve.deployment(max_ongoing_requests=4096, max_queued_requests=512,
                   ray_actor_options={"num_cpus": 0.25}, **SHUTDOWN)
 class DecoderServer:
     def __init__(self, config: AppConfig):
@@ -54,6 +58,7 @@ class DecoderServer:
                                         graphs=time.perf_counter() - loaded,
                                         graphs_compile_ahead=self.engine.engine.compile_ahead_s)
         self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)
+        self.admission = DecoderAdmission(config.decoder_queue)
 
     def stats(self) -> dict:
         engine = self.engine.engine
@@ -62,7 +67,9 @@ class DecoderServer:
                 "decode_graphs": engine.decode_graphs is not None,
                 "running": len(engine.running), "waiting": len(engine.waiting),
                 "preempted": len(engine.preempted), "preemptions": engine.preemptions,
-                "kv_cache_pages": engine.cache.num_pages, "kv_cache_pages_in_use": engine.cache.pages_in_use()}
+                "kv_cache_pages": engine.cache.num_pages, "kv_cache_pages_in_use": engine.cache.pages_in_use(),
+                "admission": {"held": self.admission.held, "queue_limit": self.admission.queue_limit,
+                              "refused": self.admission.refused}}
 
     async def check_health(self):
         """Fails when the engine thread died or has made no step for minutes; when idle, now and
@@ -92,12 +99,12 @@ class DecoderServer:
         on this replica's event loop), with its time in this replica (`timings`)."""
         request = GenerationRequest(prompt_ids, image_embeds, params)
         arrived, last = time.monotonic(), None
-        self._record_load()
+        self._admit()
         try:
             async for delta in self.engine.generate(request, stream=False):
                 last = delta
         finally:
-            self._record_load()
+            self._leave()
         timings = self._record_latency(request, last, arrived, last.first_token_at, time.monotonic())
         return {**self._as_dict(last), "timings": timings}
 
@@ -105,7 +112,7 @@ class DecoderServer:
                               params: SamplingParams) -> AsyncIterator[dict]:
         request = GenerationRequest(prompt_ids, image_embeds, params)
         arrived, first = time.monotonic(), None
-        self._record_load()
+        self._admit()
         try:
             async for delta in self.engine.generate(request):
                 first = first or time.monotonic()
@@ -113,7 +120,19 @@ class DecoderServer:
                     self._record_latency(request, delta, arrived, first, time.monotonic())
                 yield self._as_dict(delta)
         finally:
-            self._record_load()
+            self._leave()
+
+    def _admit(self) -> None:
+        """Take the request, or refuse it at once when `decoder_queue` requests already wait
+        (the Router answers 503 with Retry-After, as for any full queue)."""
+        if not self.admission.take(running=len(self.engine.engine.running)):
+            raise BackPressureError(num_queued_requests=self.admission.queue_limit,
+                                    max_queued_requests=self.admission.queue_limit)
+        self._record_load()
+
+    def _leave(self) -> None:
+        self.admission.release()
+        self._record_load()
 
     @staticmethod
     def _as_dict(delta) -> dict:

@@ -73,7 +73,9 @@ def _handle_source(image, document) -> Images | Document:
     return Document(bytes(document) if isinstance(document, bytearray) else document)
 
 
-@serve.deployment(max_ongoing_requests=200, ray_actor_options={"num_cpus": 0.25}, **SHUTDOWN)
+# max_ongoing_requests: above the app's own limit (`AppConfig.inflight_limit`, 512 by default),
+# which refuses in the app's JSON envelope; Serve's is only the ceiling.
+@serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.25}, **SHUTDOWN)
 @serve.ingress(api)
 class Router:
     def __init__(self, models: list[ModelTiers], config: AppConfig):
@@ -88,6 +90,7 @@ class Router:
             self.served[pipeline.model_fields["model"]] = (tiers.model, pipeline)
         self.default_model = next(iter(self.served))
         self.inflight = 0  # HTTP requests being worked on (admission control)
+        self.inflight_limit = config.inflight_limit()
         self.started = int(time.time())
 
     def _pipeline(self, model: str | None) -> OcrPipeline:
@@ -290,9 +293,9 @@ class Router:
         refused = self._refuse_without_key(request)
         if refused is not None:
             return refused
-        if self.inflight >= self.config.max_inflight_requests:
+        if self.inflight >= self.inflight_limit:
             return overloaded("overloaded", f"the server is at its limit of "
-                              f"{self.config.max_inflight_requests} requests in flight; retry shortly")
+                              f"{self.inflight_limit} requests in flight; retry shortly")
         self.inflight += 1
         protocol.REQUEST_ARRIVED.set(time.perf_counter())
         inputs = None

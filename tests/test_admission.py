@@ -1,0 +1,125 @@
+"""Admission sized from what the decoder holds (issue 38): the gate alone, a Decoder replica in
+process, and the app with the defaults over four Routers on a real Serve cluster."""
+import asyncio
+import base64
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from ray.serve.exceptions import BackPressureError
+
+from decoder import SamplingParams
+from deployments.config import AppConfig
+from scheduler import DecoderAdmission
+from tests.helpers import png
+
+requests = pytest.importorskip("requests")
+
+
+def test_the_gate_takes_what_decodes_plus_a_bounded_queue():
+    gate = DecoderAdmission(queue_limit=2)
+    assert all(gate.take(running=0) for _ in range(2))  # two waiting: the queue is full
+    assert not gate.take(running=0) and gate.refused == 1
+    assert gate.take(running=2)  # both now decode: room for two waiting again
+    assert gate.take(running=2) and not gate.take(running=2)
+    assert gate.waiting(running=2) == 2
+    gate.release()
+    assert gate.take(running=2)
+    assert not DecoderAdmission(queue_limit=0).take(running=0)
+    with pytest.raises(ValueError, match="queue_limit"):
+        DecoderAdmission(-1)
+
+
+def test_the_router_s_default_limit_is_what_the_decoders_hold():
+    assert AppConfig().inflight_limit() == 256 + 256
+    assert AppConfig(max_batch=8, decoder_queue=4).inflight_limit() == 12
+    assert AppConfig(max_inflight_requests=3).inflight_limit() == 3
+    two = AppConfig(models=[{"name": "a", "max_batch": 8}, {"name": "b", "decoder_queue": 0}])
+    assert two.inflight_limit() == (8 + 256) + (256 + 0)
+
+
+def test_a_full_decoder_refuses_at_once_and_takes_again_when_room_frees():
+    """One sequence decoding, one waiting: a third request is refused before any work, with
+    Serve's BackPressureError (the Router's 503 with Retry-After); the two complete."""
+    from deployments.decoder_server import DecoderServer
+    server = DecoderServer.func_or_class(AppConfig(max_batch=1, decoder_queue=1, max_len=2048))
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def scenario():
+        first = asyncio.ensure_future(server.generate([0] * 8, [], params))
+        while not server.engine.engine.running:  # it decodes
+            await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(server.generate([0] * 8, [], params))
+        await asyncio.sleep(0)  # taken: it waits for the batch's one slot
+        with pytest.raises(BackPressureError):
+            await server.generate([0] * 8, [], params)
+        stream = server.generate_stream([0] * 8, [], params)
+        with pytest.raises(BackPressureError):
+            await stream.__anext__()
+        done = await asyncio.gather(first, second)
+        assert [d["completion_tokens"] for d in done] == [200, 200]
+        assert server.stats()["admission"] == {"held": 0, "queue_limit": 1, "refused": 2}
+        return (await server.generate([0] * 8, [], params))["completion_tokens"]
+    assert asyncio.run(scenario()) == 200
+
+
+ROUTERS = 4
+
+
+@pytest.fixture(scope="module")
+def four_routers(serve_app):
+    """The app with its defaults (the tiny model, as the other Serve tests set it up) behind
+    four Router replicas, on the test cluster."""
+    from ray import serve
+
+    from deployments.app import _tiers
+    from deployments.router import Router
+    from tests.conftest import SERVE_URL
+    config = AppConfig(max_len=2048, max_images=8)
+    serve.run(Router.options(num_replicas=ROUTERS).bind([_tiers(m) for m in config.served_models()], config),
+              name="admission", route_prefix="/admission")
+    yield f"{SERVE_URL}/admission"
+    serve.delete("admission")
+
+
+def post_all(url: str, bodies: list[dict]) -> list:
+    """Every body posted at once (a thread each): the responses."""
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(lambda body: requests.post(f"{url}/v1/ocr", json=body, timeout=600), bodies))
+
+
+@pytest.mark.slow
+def test_256_requests_over_four_routers_are_all_taken_while_the_decoder_has_room(four_routers):
+    """What the decoder holds (256 decoding + 256 waiting by default) is what the app takes:
+    Serve does not balance 256 requests evenly over 4 Routers, so a per-Router limit of 64 (the
+    old default) refused some."""
+    body = {"image": base64.b64encode(png((64, 48))).decode(), "mode": "tiny", "max_tokens": 8, "ngram": {"enabled": False}}
+    responses = post_all(four_routers, [body] * 256)
+    statuses = [r.status_code for r in responses]
+    assert statuses == [200] * 256, {s: statuses.count(s) for s in set(statuses)}
+    assert all(r.json()["usage"]["completion_tokens"] == 8 for r in responses)
+
+
+@pytest.fixture(scope="module")
+def small_decoder(serve_app):
+    """The app with a decoder that holds 2 decoding and 2 waiting."""
+    from ray import serve
+
+    from deployments.app import build
+    from tests.conftest import SERVE_URL
+    serve.run(build(AppConfig(max_len=2048, max_images=8, max_batch=2, decoder_queue=2)),
+              name="small-decoder", route_prefix="/small-decoder")
+    yield f"{SERVE_URL}/small-decoder"
+    serve.delete("small-decoder")
+
+
+@pytest.mark.slow
+def test_past_what_the_decoder_holds_requests_are_refused_with_retry_after(small_decoder):
+    body = {"image": base64.b64encode(png((64, 48))).decode(), "mode": "tiny", "max_tokens": 200, "ngram": {"enabled": False}}
+    responses = post_all(small_decoder, [body] * 16)
+    taken = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code != 200]
+    assert len(taken) >= 4 and refused, [r.status_code for r in responses]
+    for r in refused:
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["type"] == "overloaded"
+    assert all(r.json()["usage"]["completion_tokens"] == 200 for r in taken)
