@@ -1,4 +1,6 @@
 """`deepseek-ocr run INPUTS... --out DIR`: OCR files and folders through a running app.
+`deepseek-ocr serve CONFIG_OR_IMPORT_PATH [ARGS...]`: start the app (`serve run` in the app's
+start-up environment: `python -m deployments`, which this command hands over to).
 
 Exit codes: 0 every document done; 1 some failed (listed at the end; a rerun retries them);
 2 a usage error: bad arguments, no inputs, the server unreachable at the start, a refused key.
@@ -61,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "request (default %(default)s)")
     run.add_argument("--timeout", type=_positive(float), default=DEFAULT_TIMEOUT_S, metavar="S",
                      help="seconds to wait for one document's answer (default %(default)g)")
+    serve = commands.add_parser(
+        "serve", help="start the app: `serve run` in its start-up environment",
+        description="`serve run CONFIG_OR_IMPORT_PATH [ARGS...]` with the environment the app's "
+                    "Ray cluster needs from its start (preloaded modules; /health and /ready "
+                    "answered while the app starts), which a config file cannot set itself")
+    serve.add_argument("serve_args", nargs=argparse.REMAINDER, metavar="CONFIG_OR_IMPORT_PATH [ARGS...]")
     return parser
 
 
@@ -69,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse exits 2 on bad arguments, 0 on --help
         return e.code if isinstance(e.code, int) else EXIT_USAGE
+    if args.command == "serve":  # the app's own launcher takes over this process
+        os.execv(sys.executable, [sys.executable, "-m", "deployments", *args.serve_args])
     try:
         return run_command(args)
     except UsageError as e:

@@ -15,17 +15,12 @@ import os
 import ray
 from ray.serve import Application
 
-from . import PRELOAD_MODULES
-from .probes import PROXY_CALLBACK
+from . import STARTUP_ENVIRONMENT
 
 # `serve run deployments.app:...` imports this module before it starts its local Ray cluster,
-# whose processes inherit this environment: the workers that cluster starts ahead import the
-# app's modules (torch included) before they are given a replica, and Serve's proxy answers
-# /health and /ready itself until a Router replica is up (deployments/probes.py). A cluster
-# started elsewhere sets both in its own `ray start` environment (cluster.yaml; README).
+# whose processes inherit this environment (deployments/__init__.py says what it does).
 if not ray.is_initialized():
-    os.environ.setdefault("RAY_preload_python_modules", PRELOAD_MODULES)
-    for name, value in PROXY_CALLBACK.items():
+    for name, value in STARTUP_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
 
 from .config import AppConfig, ServedModel

@@ -4,10 +4,12 @@ Serve's proxy opens the HTTP port before the app's Router replica exists: it ans
 the app's route is registered, then holds any request for it until a Router replica is up
 (seconds: a fresh worker process imports torch and the app while the other tiers start beside
 it). A probe must not wait that long, so this middleware, run inside the proxy (Serve's
-`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, set by `deployments.app` before it starts Ray and by
-cluster.yaml), passes `GET .../health` and `.../ready` on to the Router and, when no Router
-answers within ANSWER_WITHIN_S (or the route is not registered yet), answers them itself:
-503, `Retry-After`, in the app's error envelope. Every other request passes untouched.
+`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, in the app's STARTUP_ENVIRONMENT), passes
+`GET .../health` and `.../ready` on to the Router and, when no Router answers within
+ANSWER_WITHIN_S (or the route is not registered yet), answers them itself: 503, `Retry-After`,
+in the app's error envelope. Once a Router has answered a probe path, the middleware steps aside
+for it: a busy Router later is the Router's to answer, not a start-up. Every other request
+passes untouched.
 
 Plain ASGI, importing nothing of the app: the proxy process loads no torch for it.
 """
@@ -21,8 +23,6 @@ PROBES = ("/health", "/ready")
 # milliseconds.
 ANSWER_WITHIN_S = 0.5
 RETRY_AFTER_S = 1
-# The environment variable through which Serve's proxy loads `proxy_middlewares`.
-PROXY_CALLBACK = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.probes:proxy_middlewares"}
 
 
 class StartupProbes:
@@ -75,5 +75,6 @@ async def _unavailable(send, message: str) -> None:
 
 
 def proxy_middlewares() -> list[Middleware]:
-    """What Serve's proxy calls (PROXY_CALLBACK) for the middlewares it wraps itself in."""
+    """What Serve's proxy calls (its HTTP callback, STARTUP_ENVIRONMENT) for the middlewares it
+    wraps itself in."""
     return [Middleware(StartupProbes)]

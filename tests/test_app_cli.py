@@ -14,8 +14,7 @@ import time
 import pytest
 from PIL import Image
 
-from deployments import PRELOAD_MODULES
-from deployments.probes import PROXY_CALLBACK
+from deployments import STARTUP_ENVIRONMENT
 from tests.helpers import free_port
 
 requests = pytest.importorskip("requests")
@@ -23,20 +22,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STOPS_WITHIN_S = 20  # measured ~8 s on 2 cores (Serve's own teardown ~4 of them); ~28 s before
 
 
-def serve_run(tmp_path, application: str, env: dict | None = None):
-    """`serve run` of a config holding `application` (YAML of one application, beside a free
-    port) as a user runs it, with `env` added to a clean environment: (the process, its URL,
-    its log's path). An import path always takes port 8000, which another copy of the suite may
-    hold."""
-    serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, **(env or {})}
+def serve_run(tmp_path, application: str, command=("serve", "run")):
+    """`serve run` (or `command`: a console script and its arguments) of a config holding
+    `application` (YAML of one application, beside a free port) as a user runs it: (the process,
+    its URL, its log's path). An import path always takes port 8000, which another copy of the
+    suite may hold."""
+    serve_cli = [os.path.join(os.path.dirname(sys.executable), command[0]), *command[1:]]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     port = free_port()
     config = tmp_path / "app.yaml"
     config.write_text(f"http_options: {{host: 127.0.0.1, port: {port}}}\napplications:\n{application}")
     log = tmp_path / "serve.log"
     # SIGINT back to its default: a test runner started in the background ignores it, and its
     # children would inherit that, so Ctrl-C would do nothing.
-    proc = subprocess.Popen([serve_cli, "run", str(config)], cwd=ROOT, env=env,
+    proc = subprocess.Popen([*serve_cli, str(config)], cwd=ROOT, env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return proc, f"http://127.0.0.1:{port}", log
@@ -72,9 +71,9 @@ def interrupt(proc) -> tuple[object, float]:
 def test_health_and_ready_answer_within_a_second_while_the_app_starts(tmp_path):
     """From the moment the port accepts, every probe is answered within a second: 503
     "starting" (Serve's proxy, deployments/probes.py) until a Router is up, then the Router's
-    own answers, until /ready says ready. The environment is the README's for a config file."""
+    own answers, until /ready says ready. Started as the README starts a config file."""
     proc, url, log = serve_run(tmp_path, "- {name: default, route_prefix: /, import_path: deployments.app:app}\n",
-                               env=PROXY_CALLBACK)
+                               command=("deepseek-ocr", "serve"))
     port = int(url.rsplit(":", 1)[1])
     answers = []  # (path, status, body's "status", seconds it took)
     try:
@@ -109,11 +108,10 @@ def test_the_app_sets_the_start_up_environment_before_ray_starts():
     """`serve run deployments.app:...` (the README's command) imports the app before it starts
     its local cluster, whose proxy and workers inherit these."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    printed = subprocess.run([sys.executable, "-c", "import os, deployments.app; print(os.environ["
-                              "'RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH'], os.environ["
-                              "'RAY_preload_python_modules'])"], cwd=ROOT, env=env,
+    printed = subprocess.run([sys.executable, "-c", "import os, deployments.app; print(*(os.environ[k] "
+                              f"for k in {sorted(STARTUP_ENVIRONMENT)!r}))"], cwd=ROOT, env=env,
                              capture_output=True, text=True, check=True).stdout.split()
-    assert printed == [*PROXY_CALLBACK.values(), PRELOAD_MODULES]
+    assert printed == [STARTUP_ENVIRONMENT[k] for k in sorted(STARTUP_ENVIRONMENT)]
 
 
 @pytest.mark.slow
