@@ -60,6 +60,9 @@ SWITCHES = {s.name: s for s in (
     Switch("DEEPSEEK_OCR_SPLIT_FLOW_ATTENTION", "0", ON_OFF,
            "DeepSeek-OCR 2's Qwen2 attention in one SDPA with its boolean mask; 1: two mask-free "
            "SDPAs (image rows; query rows causal lower-right), off until measured on a GPU"),
+    Switch("DEEPSEEK_OCR_RSWA_FREE_PAGES", "1", ON_OFF,
+           "Unlimited-OCR's R-SWA gap (past the prompt, before the window) kept in its KV pages "
+           "until the sequence leaves (the kernel skips it, the reference masks it)"),
     Switch("DEEPSEEK_OCR_KEEP_FREED_MEMORY", "1", ON_OFF,
            "glibc's default allocator settings in the replicas (freed buffers go back to the OS)"),
 )}

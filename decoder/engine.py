@@ -58,7 +58,8 @@ class GenerationEngine:
                              cache_pages(kv_cache_gb, per_token, max_batch, max_len, model.device),
                              max_batch, max_len, model.device, model.dtype)
         self.max_len = min(max_len, self.cache.capacity_tokens)  # one sequence always fits
-        self.scheduler = Scheduler(self.cache, tokenizer, max_batch, self.max_len, prefill_tokens)
+        self.scheduler = Scheduler(self.cache, tokenizer, max_batch, self.max_len, prefill_tokens,
+                                   window=args.sliding_window)
         self.runner = ModelRunner(model, self.cache, max_batch, self.max_len, decode_graphs)
         self.output = OutputProcessor(args.eos_id, frozenset(tokenizer.special_ids))
         # The decode step launched at the end of the last `step()` and not yet picked from:

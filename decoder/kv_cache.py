@@ -16,8 +16,9 @@ of the unpaged cache; the reference) and, on CUDA, a Triton kernel that walks ea
 and reads only the positions it holds (decoder/triton_paged_attention.py). `KVCache.kernel`
 picks ("triton" by default on CUDA; set "gather", before decode graphs are captured, for the
 reference). For Unlimited-OCR's R-SWA (`window`), both see only the row's prompt positions and
-its last `window` positions; the positions between stay in their pages, unread by the kernel and
-masked by the reference (freeing the pages they fill is a later optimisation).
+its last `window` positions; the positions between (the gap) are never read again, so the
+scheduler gives their whole pages back (`drop`): their table entries point at the scratch page,
+which the kernel never reads there and the reference masks.
 """
 from __future__ import annotations
 
@@ -94,10 +95,21 @@ class KVCache:
         return True
 
     def release(self, row: int) -> None:
-        self._free += reversed(self._pages[row])
+        self._free += [page for page in reversed(self._pages[row]) if page != SCRATCH_PAGE]
         self._pages[row] = []
         self._host_table[row] = SCRATCH_PAGE
         self._dirty = True
+
+    def drop(self, row: int, first_page: int, end_page: int) -> None:
+        """Give back `row`'s pages first_page..end_page-1 (positions no query reads again: an
+        R-SWA gap); their entries point at the scratch page, and the row keeps its length."""
+        pages = self._pages[row]
+        for index in range(first_page, min(end_page, len(pages))):
+            if pages[index] != SCRATCH_PAGE:
+                self._free.append(pages[index])
+                pages[index] = SCRATCH_PAGE
+                self._host_table[row, index] = SCRATCH_PAGE
+                self._dirty = True
 
     def move(self, src: int, dst: int) -> None:
         """Row src's pages become row dst's (dst free); src is left free."""

@@ -4,8 +4,10 @@ Waiting requests and preempted sequences are admitted in prefill groups (preempt
 while rows and pages are free; a running sequence whose next token needs a page that none is
 free for preempts the newest (its pages freed, its context recomputed by a prefill when it is
 admitted again). A sequence that leaves frees its row and the last running one moves into it, so
-the rows of a decode step are 0..S-1. No tensors here: the model runner (running.py) runs the
-rows this decides.
+the rows of a decode step are 0..S-1. With R-SWA (`window`: Unlimited-OCR), the pages of a
+sequence's gap (past its prompt, before its window) go back as its window slides on, so a long
+generation holds its prompt's pages and a window's, not its whole length. No tensors here: the
+model runner (running.py) runs the rows this decides.
 """
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ import secrets
 import time
 from collections import deque
 
+from common import switches
+
 from .kv_cache import KVCache, pages_for
+from .pages import PAGE_TOKENS
 from .sequence import GenerationRequest, Sequence
 from .tokenizer import IncrementalDecoder
 
@@ -23,8 +28,11 @@ log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, tokenizer, max_batch: int, max_len: int, prefill_tokens: int):
+    def __init__(self, cache: KVCache, tokenizer, max_batch: int, max_len: int, prefill_tokens: int,
+                 window: int | None = None):
         self.cache, self.tokenizer = cache, tokenizer
+        # R-SWA's window, when its gap's pages are given back (DEEPSEEK_OCR_RSWA_FREE_PAGES)
+        self.window = window if switches.on("DEEPSEEK_OCR_RSWA_FREE_PAGES") else None
         self.max_batch, self.max_len = max_batch, max_len
         self.prefill_tokens = prefill_tokens  # padded tokens per batched prefill forward
         self.waiting: deque[GenerationRequest] = deque()
@@ -85,6 +93,7 @@ class Scheduler:
             if seq.request.prefilled_at is None:
                 seq.request.prefilled_at = started
             seq.slot, seq.length = slot + row, len(seq.context())
+            seq.gap_freed_to = pages_for(len(seq.request.prompt_ids))  # its prefill fills every page
             assert self.cache.reserve(seq.slot, seq.length + 1), "admitted without its pages"
             self.running.append(seq)
 
@@ -117,7 +126,10 @@ class Scheduler:
     # -- preemption --------------------------------------------------------------------------
     def grow(self) -> None:
         """Give each running sequence the page its pending token goes to; when none is free,
-        preempt the newest sequence (its pages freed; `next_prefill_group` resumes it)."""
+        preempt the newest sequence (its pages freed; `next_prefill_group` resumes it). R-SWA
+        gaps are given back first."""
+        if self.window is not None:
+            self._free_gaps()
         # Most steps no sequence crosses into a new page (one in 64 does): only those are sorted.
         growing = [s for s in self.running if not self.cache.holds(s.slot, s.length + 1)]
         for seq in sorted(growing, key=lambda s: s.admitted):
@@ -126,6 +138,16 @@ class Scheduler:
                 self.leave(victim)
                 self.preempted.appendleft(victim)
                 self.preemptions += 1
+
+    def _free_gaps(self) -> None:
+        """The whole pages each sequence's window has left behind, past its prompt, go back:
+        the query at position `length` sees positions above length - window, and later queries
+        see less, so positions up to length - window are never read again."""
+        for seq in self.running:
+            end = (seq.length - self.window + 1) // PAGE_TOKENS  # pages wholly at or below it
+            if end > seq.gap_freed_to:
+                self.cache.drop(seq.slot, seq.gap_freed_to, end)
+                seq.gap_freed_to = end
 
     # -- leaving -----------------------------------------------------------------------------
     def retire(self, seq: Sequence, in_flight: bool) -> None:

@@ -81,6 +81,7 @@ class Sequence:
     seed: int = 0  # the request's seed (a random one when it gave none)
     admitted: int = 0  # admission order: when pages run out, the newest give theirs back
     done: bool = False  # finished or aborted (it may still hold a row of the step in flight)
+    gap_freed_to: int = 0  # R-SWA: its pages before this index, past its prompt's, are given back
 
     def context(self) -> list[int]:
         """The tokens its cache holds: the prompt and all generated but the pending one."""

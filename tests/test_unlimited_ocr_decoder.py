@@ -412,19 +412,32 @@ for window, block, split in [(8, 32, 128), (1, 16, 64), (64, 16, 64), (200, 64, 
     out = paged_decode_attention(q[:, :, 0], k, v, table, pos, 1024, block_t=block, split_tokens=split,
                                  prompt_lens=p_len, window=window).view(len(rows), 1, heads * d)
     full = gathered_decode_attention(q, k, v, table, pos, 1024)
-    print(window, -(-1024 // split), float((out - ref).abs().max()), float((full - ref).abs().max()))
+    # The gap's whole pages given back (their entries at scratch page 0, here all NaN): the
+    # kernel reads none of them, so its output is unchanged.
+    index = torch.arange(table.shape[1])[None, :]
+    dropped = (index * PAGE_TOKENS >= p_len[:, None]) & ((index + 1) * PAGE_TOKENS - 1 <= pos[:, None] - window)
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[0], v_nan[0] = float("nan"), float("nan")
+    freed = paged_decode_attention(q[:, :, 0], k_nan, v_nan, table.masked_fill(dropped, 0), pos, 1024,
+                                   block_t=block, split_tokens=split, prompt_lens=p_len,
+                                   window=window).view(len(rows), 1, heads * d)
+    print(window, -(-1024 // split), float((out - ref).abs().max()), float((full - ref).abs().max()),
+          int(dropped.sum()))
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(freed, out)
 """
 
 
 def test_paged_kernel_with_a_window_equals_the_gathered_reference_in_triton_interpreter():
     """The Triton decode kernel's R-SWA (two ranges per split, the gap never read), run by
     Triton's CPU interpreter (fp32), against the gathered reference's mask: windows of 1 to more
-    than a split, gaps inside one split and over several, one split and many."""
+    than a split, gaps inside one split and over several, one split and many; the same with the
+    gap's pages given back to the cache (their entries on a NaN scratch page)."""
     pytest.importorskip("triton")
     stdout = run_in_triton_interpreter(KERNEL_IN_INTERPRETER, timeout=300)
     cases = [line.split() for line in stdout.splitlines() if line]
     assert len(cases) == 5 and all(float(c[3]) > 1e-3 for c in cases), stdout  # the window masked something
+    assert all(int(c[4]) > 0 for c in cases), stdout  # and pages were given back
 
 
 @pytest.mark.gpu
@@ -451,16 +464,17 @@ def test_paged_kernel_with_a_window_equals_the_gathered_reference_on_gpu(rows, k
 
 @pytest.mark.gpu
 def test_rswa_decode_graphs_match_eager_steps():
-    """Unlimited-OCR at real dims, bf16: once every sequence is past its window, a replayed
-    decode graph (the Triton kernel, prompt lengths a static input) gives the eager step's
-    logits, and the eager Triton step the gathered reference's."""
+    """Unlimited-OCR at real dims, bf16: once every sequence is past its window (and has given
+    back the pages it left behind), a replayed decode graph (the Triton kernel, prompt lengths a
+    static input) gives the eager step's logits, and the eager Triton step the gathered
+    reference's."""
     model = random_decoder(DecoderArgs.unlimited_ocr(), device="cuda", dtype=torch.bfloat16)
     tokenizer = ByteTokenizer()
     engine = GenerationEngine(model, tokenizer, max_batch=8, max_len=1024, decode_graphs=True)
     for text in ("first page", "a second, longer prompt " * 6, "3"):
         engine.add(GenerationRequest([0] + tokenizer.encode(text),
                                      params=SamplingParams(max_tokens=400, ngram=OFF, ignore_eos=True)))
-    while not engine.running or min(len(s.tokens) for s in engine.running) < 160:
+    while not engine.running or min(len(s.tokens) for s in engine.running) < 320:
         engine.step()
     engine._take(*engine._inflight)
     engine._inflight = None
@@ -468,6 +482,8 @@ def test_rswa_decode_graphs_match_eager_steps():
     positions = [s.length for s in engine.running]
     prompt_lens = [len(s.request.prompt_ids) for s in engine.running]
     assert min(p - n for p, n in zip(positions, prompt_lens)) > 128
+    # the windows have left pages behind, given back: the steps read around them
+    assert engine.cache.pages_in_use() < sum(-(-(n + 1) // PAGE_TOKENS) for n in positions)
     p = torch.tensor(positions, device="cuda")
 
     def eager():
@@ -485,3 +501,48 @@ def test_rswa_decode_graphs_match_eager_steps():
     # bf16 at real dims over 12 layers (MoE routing amplifies): 1.3e-2 measured on an H200; the
     # kernel itself is within 1e-2 of an fp32 reference (test_paged_kernel_with_a_window_...).
     assert errs[0] == 0.0 and errs[1] <= 3e-2
+
+
+def generate_recording_pages(model, ids, images, n: int) -> tuple[list[int], list[int]]:
+    """One greedy generation of n tokens alone: (its tokens, the KV pages in use after each step)."""
+    engine = GenerationEngine(model, ByteTokenizer(), max_batch=1, max_len=512)
+    in_use, step = [], engine.step
+
+    def recording():
+        deltas = step()
+        in_use.append(engine.cache.pages_in_use())
+        return deltas
+    engine.step = recording
+    (done,) = engine.generate([GenerationRequest(ids, images, SamplingParams(max_tokens=n, ngram=OFF,
+                                                                              ignore_eos=True))])
+    return done.token_ids, in_use
+
+
+def test_a_long_generation_gives_back_its_gap_and_still_equals_transformers(pair, monkeypatch):
+    """300 tokens after a 13-token prompt with a window of 8: the pages the window has left
+    behind go back as it slides (the prompt's page, the window's and the next are all it
+    holds), and the tokens are still transformers' generate(), and those of the engine that
+    keeps every page (DEEPSEEK_OCR_RSWA_FREE_PAGES=0, the twin)."""
+    ours, hf = pair
+    ids, images = prompt(12, [], 12)
+    n = 300
+    tokens, in_use = generate_recording_pages(ours, ids, images, n)
+    assert max(in_use) <= 3, in_use
+    assert tokens == transformers_greedy(hf, ids, embeds_of(ours, ids, images), n)
+    monkeypatch.setenv("DEEPSEEK_OCR_RSWA_FREE_PAGES", "0")
+    kept, kept_in_use = generate_recording_pages(ours, ids, images, n)
+    assert max(kept_in_use) == -(-(len(ids) + n) // PAGE_TOKENS) and kept == tokens
+
+
+def test_given_back_gap_pages_serve_other_sequences(pair):
+    """Six pages for two long generations: each would need five pages without giving its gap
+    back (and one would be preempted); with it, neither is, and both equal transformers'."""
+    ours, hf = pair
+    prompts = [prompt(13, [], 10), prompt(14, [], 20)]
+    n = 260
+    engine = GenerationEngine(ours, ByteTokenizer(), max_batch=2, max_len=512, kv_cache_gb=page_budget_gb(6))
+    got = [d.token_ids for d in engine.generate(
+        [GenerationRequest(ids, images, SamplingParams(max_tokens=n, ngram=OFF, ignore_eos=True))
+         for ids, images in prompts])]
+    assert engine.preemptions == 0 and engine.cache.pages_in_use() == 0
+    assert got == [transformers_greedy(hf, ids, embeds_of(ours, ids, images), n) for ids, images in prompts]
