@@ -67,6 +67,7 @@ class GenerationEngine:
         # it is done (`Scheduler.leave_retired`): the page table must not change under it.
         self._inflight: tuple[list[Sequence], torch.Tensor] | None = None
         self._ids = itertools.count()
+        self.tokens_generated = 0  # since the engine started (its deployment's metrics read it)
 
     # -- the parts' state, read by the deployment, benchmarks and tests -----------------------
     @property
@@ -208,6 +209,7 @@ class GenerationEngine:
         if not seqs:
             return []
         picked = self.output.append_tokens(seqs, self.runner.sample(seqs, logits))
+        self.tokens_generated += len(picked)
         for seq, _, reason in picked:
             if reason is not None:
                 self.scheduler.leave(seq)

@@ -59,6 +59,8 @@ class DecoderServer:
                                         graphs_compile_ahead=self.engine.engine.compile_ahead_s)
         self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)
         self.admission = DecoderAdmission(config.decoder_queue)
+        self.reported_tokens = 0  # of engine.tokens_generated, in the metrics so far
+        self.reporter: asyncio.Task | None = None  # `_report_every_second`, from the first request
 
     def stats(self) -> dict:
         engine = self.engine.engine
@@ -128,6 +130,8 @@ class DecoderServer:
         if not self.admission.take(running=len(self.engine.engine.running)):
             raise BackPressureError(num_queued_requests=self.admission.queue_limit,
                                     max_queued_requests=self.admission.queue_limit)
+        if self.reporter is None:  # the replica's event loop exists by now
+            self.reporter = asyncio.get_running_loop().create_task(self._report_every_second())
         self._record_load()
 
     def _leave(self) -> None:
@@ -157,10 +161,21 @@ class DecoderServer:
             metrics["tpot_ms"].observe(stages["generate_ms"] / (delta.completion_tokens - 1))
         return stages
 
+    async def _report_every_second(self) -> None:
+        """The load gauges and the generated-token count, every second while the replica runs
+        (between arrivals and finishes too: a long batch's gauges and tokens/s stay current)."""
+        while True:
+            self._record_load()
+            await asyncio.sleep(1.0)
+
     def _record_load(self) -> None:
-        """Running / waiting sequences and KV-cache use, read from the engine (its thread owns
-        them; a slightly stale reading is fine for a gauge)."""
+        """Running / waiting sequences, KV-cache use and tokens generated, read from the engine
+        (its thread owns them; a slightly stale reading is fine for metrics)."""
         engine, metrics = self.engine.engine, decoder_metrics(self.model_name)
+        generated = engine.tokens_generated
+        if generated > self.reported_tokens:
+            metrics["generated_tokens"].inc(generated - self.reported_tokens)
+            self.reported_tokens = generated
         metrics["running"].set(len(engine.running))
         metrics["waiting"].set(len(engine.waiting))
         metrics["preempted"].set(len(engine.preempted))

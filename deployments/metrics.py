@@ -71,6 +71,8 @@ def decoder_metrics(model: str) -> dict:
     """The decoder replica's series, tagged with the model it serves."""
     model_tag = ("model",)
     return _of_model({
+        "generated_tokens": Counter("ocr_decoder_generated_tokens", "tokens the decoder generated "
+                                    "(counted every second as they are made)", tag_keys=model_tag),
         "running": Gauge("ocr_decoder_running", "sequences being decoded", tag_keys=model_tag),
         "waiting": Gauge("ocr_decoder_waiting", "requests waiting for a slot", tag_keys=model_tag),
         "preempted": Gauge("ocr_decoder_preempted", "sequences preempted (KV-cache pages ran "

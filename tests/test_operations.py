@@ -328,6 +328,7 @@ def test_metrics_are_exported_and_the_dashboard_plots_them(serve_app):
                 r'^ray_ocr_tokens_total\{.*kind="image".*\} [1-9]',
                 r'^ray_ocr_tokens_total\{.*model="tiny-random".*\} [1-9]',  # the model's name
                 r'^ray_ocr_decoder_kv_cache_usage\{.*model="tiny-random".*\} ',
+                r'^ray_ocr_decoder_generated_tokens_total\{.*model="tiny-random".*\} [1-9]',
                 r'^ray_ocr_encoder_graph_batches_total\{.*result="miss".*\} [1-9]']  # CPU: eager
     deadline = time.time() + 90
     while True:  # custom metrics reach the export port every few seconds
