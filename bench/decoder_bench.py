@@ -20,6 +20,24 @@ decoder/triton_moe.py's fused kernels, which the engine runs) and
 decoder/triton_rope.py). `--code DIR`
 imports the decoder package from DIR instead (an older checkout, for an A/B in one run on one
 machine).
+
+    python bench/decoder_bench.py --workload realistic [--levels 64,256] [--name decoder-realistic]
+    python bench/decoder_bench.py --smoke          # CPU, tiny model: the realistic mode, checked
+
+`--workload realistic`: the contexts pages really have, against the memory-bandwidth bound.
+Requests are bench/workload.py's pages (`--seed`): the app's default prompt with each page's
+image tokens (273-933, from its size) and its max_tokens (median 700, 5-95% 150-2,500), one
+engine with `max_len` 8192. At each level n (`--levels`, default 64 and 256) 3n requests go
+through the engine with n in flight (one submitted as each finishes); tokens/s is measured from
+the first finish to the last submission (always n in flight; prefills included), and beside it
+over the decode steps alone. The bound: each decode step must read the weights it touches (every
+dense weight, the lm_head, one embedding row per sequence, and per MoE layer the experts a batch
+of B sequences touches, E * (1 - (1 - k/E)^B) expected of E with top-k routing) and every live
+sequence's KV cache (2 x layers x heads x head_dim x element bytes a token), at the HBM bandwidth
+measured on the same device by a large tensor copy (bytes read + written / time). Each level
+reports its tokens/s, the bound's tokens/s over the same steps and their ratio
+(`fraction_of_bound`); `one_page` is one A4 page (903 image tokens) generating 700 tokens alone.
+Writes <name>-<date>.json (top-level `summary`; the bound's inputs under `bound`).
 """
 from __future__ import annotations
 
@@ -29,15 +47,21 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import RESULTS, time_ms, write_result  # noqa: E402
+from bench.common import RESULTS, sync, time_ms, wall_ms, write_result  # noqa: E402
+from bench.workload import describe, draw_specs, image_tokens  # noqa: E402
 
 PROMPT, IMAGE, GENERATED = 1000, 903, 512
 CONCURRENCY = (1, 16, 64, 128, 256)
 TARGETS = {"64": 12_000, "256": 25_000}  # tokens/s (issue 14)
+# --workload realistic (issue 38): the decode rate against the memory-bandwidth bound, one page alone.
+REALISTIC_LEVELS, REALISTIC_MAX_LEN, ROUNDS = (64, 256), 8192, 3
+ONE_PAGE = {"image_tokens": 903, "generated_tokens": 700}  # an A4 page (2x3 crops)
+REALISTIC_TARGETS = {"fraction_of_bound": 0.70, "one_page_s": 0.5}
 
 
 def request(args, seed: int):
@@ -88,25 +112,43 @@ def repeated(engine, args, n: int, repeats: int) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=RESULTS)
-    parser.add_argument("--name", default="decoder")
-    parser.add_argument("--variants", nargs="+", default=["eager", "decode_graphs"],
+    parser.add_argument("--name", default=None, help="default: decoder (decoder-realistic with "
+                        "--workload realistic)")
+    parser.add_argument("--variants", nargs="+", default=None, help="default: eager decode_graphs "
+                        "(decode_graphs with --workload realistic)",
                         choices=["eager", "decode_graphs", "decode_graphs_gather", "decode_graphs_separate",
                                  "decode_graphs_grouped_mm", "decode_graphs_prefill_grouped_mm",
                                  "decode_graphs_torch_rope"])
     parser.add_argument("--code", help="import the decoder package from this directory")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per concurrency (median)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per concurrency "
+                        "(median; default 3, --smoke 1)")
+    parser.add_argument("--workload", default="fixed", choices=("fixed", "realistic"),
+                        help="fixed: 1,000-token prompts, 512 tokens each; realistic: bench/workload.py's "
+                        "pages against the memory-bandwidth bound")
+    parser.add_argument("--levels", default=",".join(map(str, REALISTIC_LEVELS)),
+                        help="realistic: sequences in flight, e.g. 64,256")
+    parser.add_argument("--seed", type=int, default=0, help="realistic: the workload's seed")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, fp32: the realistic "
+                        "mode at 2 and 4 in flight, each request asking for 1/100 of its tokens")
     opts = parser.parse_args(argv)
-    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    realistic = opts.smoke or opts.workload == "realistic"
+    opts.name = opts.name or ("decoder-realistic" if realistic else "decoder")
+    opts.variants = opts.variants or (["decode_graphs"] if realistic else ["eager", "decode_graphs"])
+    opts.repeats = opts.repeats or (1 if opts.smoke else 3)
+    assert opts.smoke or torch.cuda.is_available(), "this benchmark needs a CUDA GPU (or --smoke)"
     if opts.code:
         sys.path.insert(0, os.path.abspath(opts.code))
     global random_decoder, DecoderArgs, GenerationEngine, GenerationRequest, SamplingParams
-    global CacheStep, Experts, IMAGE_TOKEN_ID, ByteTokenizer
+    global CacheStep, Experts, IMAGE_TOKEN_ID, ByteTokenizer, KVCache, DEFAULT_PROMPT, build_prompt
     from decoder.checkpoint import random_decoder
     from decoder.config import DecoderArgs
     from decoder.engine import GenerationEngine, GenerationRequest, SamplingParams
+    from decoder.kv_cache import KVCache
     from decoder.model import CacheStep, Experts
-    from decoder.tokenizer import IMAGE_TOKEN_ID, ByteTokenizer
+    from decoder.tokenizer import DEFAULT_PROMPT, IMAGE_TOKEN_ID, ByteTokenizer, build_prompt
     print("decoder package:", os.path.dirname(sys.modules["decoder"].__file__), flush=True)
+    if realistic:
+        return measure_realistic(opts)
     args = DecoderArgs()
     model = random_decoder(args, device="cuda", dtype=torch.bfloat16)
     weights_gb = torch.cuda.memory_allocated() / 2 ** 30
@@ -126,8 +168,27 @@ def main(argv=None):
 
 
 def measure(model, tokenizer, args, embeds, max_len, variant, repeats) -> dict:
-    graphs = variant != "eager"
-    engine = GenerationEngine(model, tokenizer, max_batch=max(CONCURRENCY), max_len=max_len,
+    engine, setup_s = make_engine(model, tokenizer, variant, max(CONCURRENCY), max_len)
+    rows = {"setup_s": setup_s}
+    with torch.inference_mode():
+        rows["prefill_ms"] = time_ms(lambda: model(
+            inputs_embeds=embeds, step=CacheStep(engine.cache, slot=0), last_only=True), 10)
+        batch = embeds.expand(16, -1, -1)  # the engine prefills waiting prompts together
+        rows["prefill_16_per_prompt_ms"] = time_ms(lambda: model(
+            inputs_embeds=batch, step=CacheStep(engine.cache, slot=0), last_only=True), 5) / 16
+    for n in CONCURRENCY:
+        rows[str(n)] = repeated(engine, args, n, repeats)
+        print(f"{variant} c{n}: "
+              f"{rows[str(n)]['tokens_per_s']:.0f} tokens/s, decode step "
+              f"{rows[str(n)]['decode_step_ms_p50']:.2f} ms", flush=True)
+    return rows
+
+
+def make_engine(model, tokenizer, variant: str, max_batch: int, max_len: int):
+    """The engine of `variant`, warmed up, and the warm-up's seconds (with graphs, the first
+    step captures them all). Decode graphs only on CUDA (CPU smoke runs: eager)."""
+    graphs = variant != "eager" and torch.cuda.is_available()
+    engine = GenerationEngine(model, tokenizer, max_batch=max_batch, max_len=max_len,
                               decode_graphs=graphs)
     if variant == "decode_graphs_gather":
         engine.cache.kernel = "gather"  # before the first step captures the graphs
@@ -143,20 +204,8 @@ def measure(model, tokenizer, args, embeds, max_len, variant, repeats) -> dict:
         model.use_rope_kernel("torch" if variant == "decode_graphs_torch_rope" else "auto")
     start = time.perf_counter()
     warm = GenerationRequest([0, 5, 6], params=SamplingParams(max_tokens=4, ignore_eos=True))
-    engine.generate([warm])  # warm-up; with graphs, the first step captures them all
-    rows = {"setup_s": time.perf_counter() - start}
-    with torch.inference_mode():
-        rows["prefill_ms"] = time_ms(lambda: model(
-            inputs_embeds=embeds, step=CacheStep(engine.cache, slot=0), last_only=True), 10)
-        batch = embeds.expand(16, -1, -1)  # the engine prefills waiting prompts together
-        rows["prefill_16_per_prompt_ms"] = time_ms(lambda: model(
-            inputs_embeds=batch, step=CacheStep(engine.cache, slot=0), last_only=True), 5) / 16
-    for n in CONCURRENCY:
-        rows[str(n)] = repeated(engine, args, n, repeats)
-        print(f"{variant} c{n}: "
-              f"{rows[str(n)]['tokens_per_s']:.0f} tokens/s, decode step "
-              f"{rows[str(n)]['decode_step_ms_p50']:.2f} ms", flush=True)
-    return rows
+    engine.generate([warm])
+    return engine, time.perf_counter() - start
 
 
 def write(opts, variants: dict, weights_gb: float) -> None:
@@ -183,6 +232,227 @@ def write(opts, variants: dict, weights_gb: float) -> None:
                      "ngram": "default (30/90)", "submission": "all n requests at once; "
                      "tokens/s counts prefills; decode_step_ms_p50 times steps without prefill"},
         "summary": summary, "variants": variants})
+
+
+# --- --workload realistic: pages' contexts against the memory-bandwidth bound ------------------------
+def copy_bandwidth(device: str) -> dict:
+    """The device's memory bandwidth as a large tensor copy moves it: bytes read + written per
+    second (CUDA: 2 x 1 GiB, CUDA-event timed; CPU smoke runs: 2 x 64 MiB, wall clock)."""
+    nbytes = 2 ** 30 if device == "cuda" else 2 ** 26
+    source = torch.ones(nbytes // 2, device=device, dtype=torch.bfloat16)
+    target = torch.empty_like(source)
+    ms = (time_ms if device == "cuda" else wall_ms)(lambda: target.copy_(source), 20)
+    return {"bytes_per_s": 2 * nbytes / (ms / 1e3), "copy_bytes": nbytes, "copy_ms": ms,
+            "how": "torch tensor copy on the device, bytes read + written / median time of 20"}
+
+
+def weight_bytes(model) -> dict:
+    """The model's weights by how a decode step reads them: `every_step` (attention, dense MLPs,
+    shared experts, gates, norms, lm_head), `per_expert` (one routed expert of one MoE layer),
+    `embedding_row` (one row per sequence; the rest of the table is not read)."""
+    def size(params):
+        return sum(p.numel() * p.element_size() for p in params)
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    embedding = model.model.embed_tokens.weight
+    expert_bytes = size(p for m in experts for p in m.parameters())
+    total = size(model.parameters())
+    args = model.args
+    return {"total": total, "every_step": total - expert_bytes - size([embedding]),
+            "per_expert": expert_bytes / (len(experts) * args.n_experts), "moe_layers": len(experts),
+            "n_experts": args.n_experts, "top_k": args.top_k,
+            "embedding_row": embedding.shape[1] * embedding.element_size()}
+
+
+def step_bytes(weights: dict, batch: int, live_tokens: int, kv_bytes_per_token: int) -> dict:
+    """Bytes one decode step of `batch` sequences holding `live_tokens` in the KV cache must
+    read: the weights it touches (per MoE layer E * (1 - (1 - k/E)^B) experts expected, routing
+    spread evenly) and the live KV cache."""
+    experts = weights["n_experts"] * (1 - (1 - weights["top_k"] / weights["n_experts"]) ** batch)
+    touched = (weights["every_step"] + weights["moe_layers"] * experts * weights["per_expert"]
+               + batch * weights["embedding_row"])
+    return {"weights": touched, "kv": kv_bytes_per_token * live_tokens}
+
+
+def page_requests(specs, tokenizer, embeds: dict, token_scale: int) -> list:
+    """One request per page: the default prompt around its image tokens (embeddings shared by
+    pages of one token count: their values do not change the work), its max_tokens / token_scale."""
+    requests = []
+    for spec in specs:
+        count = image_tokens(spec.size)
+        ids = build_prompt(tokenizer, DEFAULT_PROMPT, [count])
+        params = SamplingParams(max_tokens=max(2, spec.max_tokens // token_scale), ignore_eos=True)
+        requests.append(GenerationRequest(ids, [embeds[count]], params))
+    return requests
+
+
+class StepCost:
+    """A decode step's bytes (`step_bytes`) for this model and cache, and the bandwidth they
+    move at."""
+    def __init__(self, weights: dict, kv_bytes_per_token: int, bandwidth: float):
+        self.weights, self.kv_bytes_per_token, self.bandwidth = weights, kv_bytes_per_token, bandwidth
+
+    def __call__(self, batch: int, live_tokens: int) -> dict:
+        return step_bytes(self.weights, batch, live_tokens, self.kv_bytes_per_token)
+
+
+@dataclass
+class Step:
+    seconds: float
+    batch: int  # sequences in the decode step it launched
+    weights_bytes: float  # what that decode step must read
+    kv_bytes: float
+    live_tokens: int
+    prefills: bool  # it prefilled waiting prompts too
+    new_tokens: int  # tokens it picked (first tokens of prefilled prompts included)
+
+
+def closed_loop(engine, requests: list, n: int, cost: StepCost) -> dict:
+    """`requests` through the engine, n in flight (the next submitted as one finishes). The
+    figures are over the steps from the first finish to the last submission (n in flight
+    throughout; prefills included), and over the decode-only steps among them:
+    `fraction_of_bound` = the time the steps' bytes take at the measured bandwidth / their wall
+    time."""
+    pending = list(reversed(requests))
+    for _ in range(min(n, len(pending))):
+        engine.add(pending.pop())
+    produced, steps, first_finish, last_submit = {}, [], None, None
+    preemptions = engine.preemptions
+    sync()
+    start = time.perf_counter()
+    while engine.has_work():
+        prefills = bool(engine.waiting or engine.preempted)
+        step_start = time.perf_counter()
+        deltas = engine.step()  # ends in the sampled tokens' host sync: wall time is device time
+        seconds = time.perf_counter() - step_start
+        new_tokens = sum(d.completion_tokens - produced.get(d.request_id, 0) for d in deltas)
+        produced.update((d.request_id, d.completion_tokens) for d in deltas)
+        running = engine.running  # the rows of the decode step just launched
+        live = sum(seq.length for seq in running)
+        read = cost(len(running), live)
+        steps.append(Step(seconds, len(running), read["weights"], read["kv"], live, prefills, new_tokens))
+        finished = sum(d.finished for d in deltas)
+        if finished and first_finish is None:
+            first_finish = len(steps)
+        for _ in range(min(finished, len(pending))):
+            engine.add(pending.pop())
+            if not pending:
+                last_submit = len(steps)
+    seconds = time.perf_counter() - start
+    window = steps[first_finish:last_submit]
+    assert window, "too few requests for a span with n in flight"
+    decode_only = [step for step in window if not step.prefills]
+
+    def over(chosen):
+        """(decoded tokens/s, the bound's tokens/s, bound time / wall time) over these steps."""
+        decoded, wall = sum(s.batch for s in chosen), sum(s.seconds for s in chosen)
+        bound_s = sum(s.weights_bytes + s.kv_bytes for s in chosen) / cost.bandwidth
+        return decoded / wall, decoded / bound_s, bound_s / wall
+    _, bound_tokens_per_s, fraction = over(window)
+    decode_tokens_per_s, _, decode_fraction = over(decode_only) if decode_only else (None, None, None)
+    window_s = sum(s.seconds for s in window)
+    return {"tokens_per_s": sum(s.new_tokens for s in window) / window_s,
+            "bound_tokens_per_s": bound_tokens_per_s, "fraction_of_bound": fraction,
+            "decode_only_tokens_per_s": decode_tokens_per_s, "decode_only_fraction_of_bound": decode_fraction,
+            "decode_step_ms_p50": 1e3 * statistics.median(s.seconds for s in decode_only) if decode_only else None,
+            "whole_run_tokens_per_s": sum(produced.values()) / seconds, "seconds": seconds,
+            "requests": len(requests), "generated_tokens": sum(produced.values()),
+            "window_steps": len(window), "window_s": window_s,
+            "prefill_share_of_window": sum(s.seconds for s in window if s.prefills) / window_s,
+            "mean_batch": statistics.fmean(s.batch for s in window),
+            "mean_context_tokens": sum(s.live_tokens for s in window) / sum(s.batch for s in window),
+            "weights_read_gb_per_step": statistics.fmean(s.weights_bytes for s in window) / 1e9,
+            "kv_read_gb_per_step": statistics.fmean(s.kv_bytes for s in window) / 1e9,
+            "preemptions": engine.preemptions - preemptions}
+
+
+def one_page(engine, tokenizer, embeds: dict, token_scale: int, cost) -> dict:
+    """One A4 page alone: its prefill to the first token and the whole generation (seconds),
+    against the bound of its decode steps (batch 1: the experts its tokens route to and its own
+    KV cache)."""
+    count, generated = ONE_PAGE["image_tokens"], max(2, ONE_PAGE["generated_tokens"] // token_scale)
+    ids = build_prompt(tokenizer, DEFAULT_PROMPT, [count])
+    engine.add(GenerationRequest(ids, [embeds[count]], SamplingParams(max_tokens=generated, ignore_eos=True)))
+    sync()
+    start = time.perf_counter()
+    first = None
+    while engine.has_work():
+        engine.step()
+        first = first or time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    bound_s = sum(sum(cost(1, len(ids) + i).values()) for i in range(generated - 1)) / cost.bandwidth
+    return {"seconds": seconds, "first_token_s": first, "generated_tokens": generated,
+            "prompt_tokens": len(ids), "decode_bound_s": bound_s,
+            "decode_fraction_of_bound": bound_s / (seconds - first)}
+
+
+def measure_realistic(opts) -> None:
+    if opts.smoke:
+        args, device, dtype, token_scale, levels = DecoderArgs.tiny(), "cpu", torch.float32, 100, (2, 4)
+    else:
+        args, device, dtype, token_scale = DecoderArgs(), "cuda", torch.bfloat16, 1
+        levels = tuple(int(n) for n in opts.levels.split(","))
+    bandwidth = copy_bandwidth(device)  # before the model and cache take the memory
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the copy's buffers, back to the driver
+    print(f"copy bandwidth {bandwidth['bytes_per_s'] / 1e9:.0f} GB/s", flush=True)
+    model = random_decoder(args, device=device, dtype=dtype)
+    tokenizer = ByteTokenizer()
+    max_len = min(REALISTIC_MAX_LEN, args.max_positions)
+    weights = weight_bytes(model)
+    kv_bytes_per_token = KVCache.bytes_per_token(args.n_layers, args.n_heads, args.head_dim, dtype)
+    cost = StepCost(weights, kv_bytes_per_token, bandwidth["bytes_per_s"])
+    gen = torch.Generator().manual_seed(opts.seed)
+    specs = {n: draw_specs(ROUNDS * n, opts.seed + n) for n in levels}
+    counts = sorted({image_tokens(spec.size) for n in levels for spec in specs[n]} | {ONE_PAGE["image_tokens"]})
+    embeds = {count: 0.02 * torch.randn(count, args.hidden, generator=gen) for count in counts}
+    variants = {}
+    for variant in opts.variants:
+        engine, setup_s = make_engine(model, tokenizer, variant, max(levels), max_len)
+        rows = {"setup_s": setup_s, "decode_graphs": engine.decode_graphs is not None,
+                "kv_cache_tokens": engine.cache.capacity_tokens}
+        for n in levels:
+            runs = sorted((closed_loop(engine, page_requests(specs[n], tokenizer, embeds, token_scale), n, cost)
+                           for _ in range(opts.repeats)), key=lambda r: r["tokens_per_s"])
+            rows[str(n)] = {**runs[len(runs) // 2], "repeats_tokens_per_s": [r["tokens_per_s"] for r in runs]}
+            print(f"{variant} c{n}: {rows[str(n)]['tokens_per_s']:.0f} tokens/s, bound "
+                  f"{rows[str(n)]['bound_tokens_per_s']:.0f}: {rows[str(n)]['fraction_of_bound']:.2f}", flush=True)
+        pages = sorted((one_page(engine, tokenizer, embeds, token_scale, cost) for _ in range(opts.repeats)),
+                       key=lambda r: r["seconds"])
+        rows["one_page"] = {**pages[len(pages) // 2], "repeats_s": [r["seconds"] for r in pages]}
+        print(f"{variant} one page: {rows['one_page']['seconds']:.3f} s", flush=True)
+        variants[variant] = rows
+        del engine
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    first = variants[opts.variants[0]]
+    summary = {"variant": opts.variants[0], "decode_graphs": first["decode_graphs"],
+               **{f"{key}_c{n}": first[str(n)][key] for n in levels
+                  for key in ("tokens_per_s", "bound_tokens_per_s", "fraction_of_bound",
+                              "decode_only_fraction_of_bound")},
+               "one_page_s": first["one_page"]["seconds"],
+               "hbm_bandwidth_gb_s": bandwidth["bytes_per_s"] / 1e9, "targets": REALISTIC_TARGETS,
+               "met": {**{f"fraction_of_bound_c{n}": first[str(n)]["fraction_of_bound"]
+                          >= REALISTIC_TARGETS["fraction_of_bound"] for n in levels},
+                       "one_page_s": first["one_page"]["seconds"] <= REALISTIC_TARGETS["one_page_s"]}}
+    write_result(opts.out, f"{opts.name}-smoke" if opts.smoke else opts.name, {
+        "benchmark": "decoder at pages' contexts against the memory-bandwidth bound",
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+        "dtype": str(dtype).removeprefix("torch."),
+        "weights": "tiny random" if opts.smoke else "random, real DeepSeek-3B-MoE dims",
+        "workload": {"pages": {str(n): describe(specs[n]) for n in levels},
+                     "prompt": DEFAULT_PROMPT, "max_len": max_len, "seed": opts.seed,
+                     "max_tokens": "each page's own" + (f" / {token_scale} (smoke)" if token_scale > 1 else ""),
+                     "submission": f"{ROUNDS}n requests, n in flight (one submitted as one finishes); "
+                     "figures from the first finish to the last submission", "ngram": "default (30/90)",
+                     "one_page": ONE_PAGE},
+        "bound": {"bandwidth": bandwidth, "weights_bytes": weights, "kv_bytes_per_token": kv_bytes_per_token,
+                  "bytes_per_decode_step": "weights touched (every_step + moe_layers * E * (1 - (1 - k/E)^B) "
+                  "* per_expert + B * embedding_row) + kv_bytes_per_token * live tokens",
+                  "bound_tokens_per_s": "decoded tokens / sum over the steps of bytes_per_decode_step / "
+                  "bandwidth"},
+        "summary": summary, "variants": variants})
+
 
 if __name__ == "__main__":
     main()

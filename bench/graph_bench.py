@@ -62,9 +62,9 @@ def on_gpu(item):
 def views_on_gpu(iters: int) -> dict:
     """A page's views made on the GPU from its decoded pixels (the app's default) against PIL
     on this machine's CPU: ms each, and whether the pixels are identical."""
-    from bench.e2e_bench import page_png
+    from bench.workload import uniform_page
     from encoder import decode, views_of
-    pages = {"text_page_L": page_png(3), "colour_page_RGB": image(SIZES["page-1191x1684"], 4)}
+    pages = {"text_page_L": uniform_page(3), "colour_page_RGB": image(SIZES["page-1191x1684"], 4)}
     out = {}
     for name, page in pages.items():
         decoded, reference = decode(page), preprocess(page)

@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import RESULTS, sync, wall_ms, write_result  # noqa: E402
-from bench.e2e_bench import page_png  # noqa: E402
+from bench.workload import uniform_page  # noqa: E402
 from common.allocator import keep_freed_memory  # noqa: E402
 from encoder import EncoderArgs, load_encoder, preprocess, write_random_checkpoint  # noqa: E402
 from encoder import DualPathEncoder  # noqa: E402
@@ -260,7 +260,7 @@ def main(argv=None):
     keep_freed_memory()
     args = EncoderArgs.tiny() if opts.smoke else EncoderArgs()
     checkpoint = write_random_checkpoint(tempfile.mkdtemp(), args)
-    pages = [page_png(seed, page_size) for seed in range(8)]
+    pages = [uniform_page(seed, page_size) for seed in range(8)]
     baseline = in_process(checkpoint, pages, opts.reps)
     if n_gpus:
         torch.cuda.empty_cache()  # the in-process graphs are gone; return their memory

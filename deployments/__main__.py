@@ -9,8 +9,9 @@ from . import STARTUP_ENVIRONMENT
 
 
 def main(argv: list[str]) -> None:
-    serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
-    os.execve(serve_cli, [serve_cli, "run", *argv], {**STARTUP_ENVIRONMENT, **os.environ})
+    # Serve's command line on this interpreter (its `serve` script may be elsewhere on PATH)
+    command = [sys.executable, "-m", "ray.serve.scripts", "run", *argv]
+    os.execve(sys.executable, command, {**STARTUP_ENVIRONMENT, **os.environ})
 
 
 if __name__ == "__main__":

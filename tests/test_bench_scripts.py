@@ -2,35 +2,41 @@
 
 `bench/scaleout_bench.py --smoke` runs every phase of the scale-out benchmark (two layouts at
 rising concurrency, the autoscaling load step) with the tiny model on a local Ray cluster;
-`bench/e2e_bench.py --smoke` `serve run`s the CPU config with the bench's overrides and sends
-pages over HTTP at two concurrencies; `bench/serve_bench.py --smoke` runs the in-process and
-Serve encode paths with the tiny model on CPU."""
+`bench/e2e_bench.py --smoke` `serve run`s the CPU config as shipped (only host and port
+changed) and sends the realistic workload over HTTP at two concurrencies, reading the Decoder's
+metrics; `bench/serve_bench.py --smoke` runs the in-process and Serve encode paths with the tiny
+model on CPU; `bench/decoder_bench.py --smoke` runs its realistic mode against the bandwidth
+bound with the tiny model on CPU. The benches' own arithmetic (the steady tokens/s, medians over
+repetitions, the Prometheus reading, the config's overrides, a decode step's bytes) is checked
+on its own, without Ray."""
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import yaml
 
+from bench import decoder_bench, e2e_bench
+from bench.workload import KIND_SHARES, draw_specs
 from tests.helpers import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.slow
 
 
-def run_smoke(script: str, stem: str, out) -> dict:
+def run_smoke(script: str, stem: str, out, *args: str) -> dict:
     """`bench/<script> --smoke` in a fresh interpreter (its own Ray cluster): the JSON it wrote."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    done = subprocess.run([sys.executable, f"bench/{script}", "--smoke", "--out", str(out),
-                           "--port", str(free_port())],
+    done = subprocess.run([sys.executable, f"bench/{script}", "--smoke", "--out", str(out), *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [path] = list(out.glob(f"{stem}-smoke-*.json"))
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_scaleout_bench_smoke(tmp_path):
-    result = run_smoke("scaleout_bench.py", "scaleout", tmp_path)
+    result = run_smoke("scaleout_bench.py", "scaleout", tmp_path, "--port", str(free_port()))
     summary = result["summary"]
     assert summary["smoke"] is True and summary["pages_per_s_1gpu"] > 0 and summary["scaling"] > 0
     for layout in ("spread", "squeezed"):
@@ -44,24 +50,41 @@ def test_scaleout_bench_smoke(tmp_path):
     assert set(step["scale_up"]) == {"LocalEncoder", "Decoder"}
 
 
+@pytest.mark.slow
 def test_e2e_bench_smoke(tmp_path):
-    result = run_smoke("e2e_bench.py", "e2e", tmp_path)
+    """The shipped config with only host and port changed, the README's command, no variable
+    set; the realistic mix, each page's own max_tokens; the Decoder's metrics read per level."""
+    port = free_port()
+    result = run_smoke("e2e_bench.py", "e2e", tmp_path, "--port", str(port))
+    setup = result["setup"]
+    assert setup["config"] == "deployments/configs/cpu-tiny.yaml" and setup["environment_set"] == {}
+    assert setup["overrides"] == {"http_options.host": "127.0.0.1", "http_options.port": port}
+    assert set(result["workload"]["kinds"]) == set(KIND_SHARES)
     summary = result["summary"]
-    assert summary["cold_start_s"] > 0 and summary["pages_per_s_best"] > 0
+    assert summary["repetitions"] == 1 and summary["cold_start_s"] > 0
     assert summary["ready_s"] > 0  # /ready polled beside the first page answered 200
     assert summary["first_page_timings_ms"]["decode_ms"] > 0
-    assert set(result["concurrency"]) == {"1", "4"}
-    assert all(row["generated_tokens"] == row["pages"] * 8 and row["p99_s"] >= row["p50_s"] > 0
-               for row in result["concurrency"].values())
-    decoder = result["tiers"]["Decoder"]
+    assert summary["tokens_per_s_without_refusal"] > 0  # the defaults carry 4 in flight
+    rows = result["concurrency"]
+    assert set(rows) == {"1", "4"}
+    # Random weights never stop: every page generated its own max_tokens.
+    assert sum(row["generated_tokens"] for row in rows.values()) == result["workload"]["generated_tokens_total"]
+    for row in rows.values():
+        assert row["p99_s"] >= row["p50_s"] > 0 and row["refusals"] == 0
+        assert row["timings_p50_ms"]["generate_ms"] > 0
+        # The metrics, waited for until they showed the level's requests.
+        assert row["decoder_tpot_ms_mean"] > 0 and row["app_completion_tokens"] == row["generated_tokens"]
+        assert row["decoder_generated_tokens"] == row["generated_tokens"] and row["decoder_tokens_per_s"] > 0
+    decoder = result["reps"][0]["tiers"]["Decoder"]
     assert decoder["max_batch"] == 256 and decoder["kv_cache_tokens"] > 0  # the defaults: paged
 
 
+@pytest.mark.slow
 def test_serve_bench_smoke(tmp_path):
     """The four one-GPU variants (encoders make the views; one Encoder makes and encodes
     both paths; that Encoder inside the Router; routers make them with PIL) run through Serve
     and their ratios are reported per repetition's median."""
-    result = run_smoke("serve_bench.py", "serve", tmp_path)
+    result = run_smoke("serve_bench.py", "serve", tmp_path, "--port", str(free_port()))
     summary = result["summary"]
     assert summary["smoke"] is True
     assert summary["variants_run"] == ["shared", "shared-encoder-in-router", "shared-one-encoder",
@@ -82,3 +105,82 @@ def test_serve_bench_smoke(tmp_path):
                 "encoder_unstaged_ms"} <= set(variant["hops_one_at_a_time"])
     assert [v["views_on_encoder"] for v in result["variants"].values()] == [True, True, True, False]
 
+
+@pytest.mark.slow
+def test_decoder_bench_realistic_smoke(tmp_path):
+    """Pages' contexts (their image tokens and lengths) through the engine, n in flight, against
+    the bound from the weights touched and the live KV cache at the copy bandwidth measured."""
+    result = run_smoke("decoder_bench.py", "decoder-realistic", tmp_path)
+    run = result["variants"]["decode_graphs"]
+    for n in (2, 4):
+        row = run[str(n)]
+        specs = draw_specs(3 * n, n)  # the smoke's seed 0 + n; each max_tokens / 100
+        assert row["requests"] == 3 * n
+        assert row["generated_tokens"] == sum(max(2, spec.max_tokens // 100) for spec in specs)
+        assert row["fraction_of_bound"] > 0 and row["bound_tokens_per_s"] > 0 and row["mean_batch"] > 1
+        assert result["summary"][f"fraction_of_bound_c{n}"] == row["fraction_of_bound"]
+        assert 273 <= result["workload"]["pages"][str(n)]["image_tokens"]["min"]
+        assert result["workload"]["pages"][str(n)]["image_tokens"]["max"] <= 933
+    assert run["one_page"]["generated_tokens"] == 7 and run["one_page"]["prompt_tokens"] > 903
+    bound = result["bound"]
+    weights = bound["weights_bytes"]
+    vocab = 129280  # the tiny model keeps the real vocabulary
+    assert weights["total"] == (weights["every_step"] + weights["moe_layers"] * weights["n_experts"]
+                                * weights["per_expert"] + vocab * weights["embedding_row"])
+    assert bound["bandwidth"]["bytes_per_s"] > 0 and bound["kv_bytes_per_token"] == 2 * 3 * 64 * 4
+
+
+# --- the benches' arithmetic, without Ray ----------------------------------------------------------
+def test_e2e_config_changes_only_checkpoint_host_and_port(tmp_path):
+    shipped = os.path.join(ROOT, "deployments", "configs", "gpu-shared.yaml")
+    written = tmp_path / "serve.yaml"
+    overrides = e2e_bench.serve_config(shipped, str(written), "/models/random")
+    assert set(overrides) == {"applications[0].args.checkpoint", "http_options.host", "http_options.port"}
+    before, after = yaml.safe_load(open(shipped)), yaml.safe_load(written.read_text())
+    assert after["applications"][0]["args"]["checkpoint"] == "/models/random"
+    assert after["http_options"]["host"] == "127.0.0.1" and after["http_options"]["port"] == e2e_bench.PORT
+    for config in (before, after):
+        del config["applications"][0]["args"]["checkpoint"]
+        del config["http_options"]["host"], config["http_options"]["port"]
+    assert before == after
+
+
+def test_e2e_steady_tokens_count_the_share_decoded_while_every_slot_was_full():
+    """Two slots; the span runs from the first answer (t=2) to the last send (t=4): page a
+    (decoding 1-2 s) ends on it, b decodes 1-5 s (half its 80 tokens inside), c 2-4 s, all inside."""
+    pages = [{"sent": 0, "answered": 2, "tokens": 10, "timings": {"generate_ms": 1000}},
+             {"sent": 0, "answered": 5, "tokens": 80, "timings": {"generate_ms": 4000}},
+             {"sent": 2, "answered": 4, "tokens": 30, "timings": {"generate_ms": 2000}},
+             {"sent": 4, "answered": 6, "tokens": 20, "timings": {"generate_ms": 2000}}]
+    assert e2e_bench.steady_tokens_per_s(pages) == pytest.approx((40 + 30) / 2)
+    assert e2e_bench.steady_tokens_per_s(pages[:2]) is None  # as many pages as slots: no span
+
+
+def test_e2e_medians_over_repetitions_keep_every_run():
+    reps = [{"tokens_per_s": 3.0, "timings": {"total_ms": 10.0}, "decoder_tokens_per_s": None},
+            {"tokens_per_s": 1.0, "timings": {"total_ms": 30.0}, "decoder_tokens_per_s": 5.0},
+            {"tokens_per_s": 2.0, "timings": {"total_ms": 20.0}, "decoder_tokens_per_s": 7.0}]
+    combined = e2e_bench.medians(reps)
+    assert combined["tokens_per_s"] == 2.0 and combined["runs"]["tokens_per_s"] == [3.0, 1.0, 2.0]
+    assert combined["timings"]["total_ms"] == 20.0
+    assert combined["decoder_tokens_per_s"] == [None, 5.0, 7.0]  # a missing figure: every value shown
+
+
+def test_e2e_reads_prometheus_series_by_label():
+    text = ("# TYPE ray_ocr_tokens_total counter\n"
+            'ray_ocr_tokens_total{kind="completion",model="m",replica="a"} 12.0\n'
+            'ray_ocr_tokens_total{kind="completion",model="m",replica="b"} 30.0\n'
+            'ray_ocr_tokens_total{kind="image",model="m",replica="a"} 903.0\n'
+            'ray_ocr_decoder_running{model="m"} 64.0\n')
+    assert e2e_bench.metric(text, "ray_ocr_tokens_total", kind="completion") == 42.0
+    assert e2e_bench.metric(text, "ray_ocr_decoder_running", max) == 64.0
+    assert e2e_bench.metric(text, "ray_ocr_decoder_waiting") is None
+
+
+def test_decoder_step_bytes_count_the_experts_a_batch_touches():
+    weights = {"every_step": 1000, "per_expert": 10, "moe_layers": 2, "n_experts": 64, "top_k": 6,
+               "embedding_row": 1}
+    alone = decoder_bench.step_bytes(weights, 1, 500, kv_bytes_per_token=2)
+    assert alone == {"weights": pytest.approx(1000 + 2 * 6 * 10 + 1), "kv": 1000}
+    crowd = decoder_bench.step_bytes(weights, 256, 0, kv_bytes_per_token=2)
+    assert crowd["weights"] == pytest.approx(1000 + 2 * 64 * 10 + 256, rel=1e-6)  # every expert
