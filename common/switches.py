@@ -5,7 +5,7 @@ set per process: in a Serve YAML per deployment (`ray_actor_options: {runtime_en
 {DEEPSEEK_OCR_TRITON: "0"}}}`), or in the shell for `serve run` and the benchmarks. Turning one
 off runs its reference twin, the code the fast path is tested equal to. `DEEPSEEK_OCR_TRITON=0`
 turns every Triton kernel of both packages off at once, whatever their own switches say.
-The README's switches table is this one (a test keeps them equal).
+docs/switches.md's table is this one (a test keeps them equal).
 """
 from __future__ import annotations
 

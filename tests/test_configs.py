@@ -29,23 +29,44 @@ def cluster_schema():
 def test_cluster_yaml_matches_rays_schema(cluster_schema):
     config = load(os.path.join(ROOT, "cluster.yaml"))
     jsonschema.validate(config, cluster_schema)
-    assert config["available_node_types"]["head"]["resources"] == {"CPU": 0}  # no replicas on head
-    worker = config["available_node_types"]["gpu_worker"]
-    assert 1 <= worker["min_workers"] <= worker["max_workers"]
+    node_types = config["available_node_types"]
+    assert node_types["head"]["resources"] == {"CPU": 0}  # no replicas on head
+    workers = [t for name, t in node_types.items() if name != config["head_node_type"]]
+    for worker in workers:
+        assert 1 <= worker["min_workers"] <= worker["max_workers"]
+    assert sum(t["max_workers"] for t in workers) <= config["max_workers"]
     assert any("pip install" in c and "deepseek-ocr-serve" in c for c in config["setup_commands"])
 
 
-def test_gpu_workers_preload_modules_that_import():
-    """The GPU workers' `ray start` preloads deployments.PRELOAD_MODULES (Ray skips a module
-    that fails to import, silently: so each must import)."""
+def test_nodes_start_in_the_app_s_start_up_environment_whose_modules_import():
+    """cluster.yaml's and KubeRay's workers start Ray in deployments.STARTUP_ENVIRONMENT, the
+    head in its proxy callback (it runs no replica); every module it names imports (Ray skips a
+    preload module that fails to import, silently)."""
     import importlib
 
-    from deployments import PRELOAD_MODULES
+    from deployments import STARTUP_ENVIRONMENT
     config = load(os.path.join(ROOT, "cluster.yaml"))
-    start = [c for c in config["worker_start_ray_commands"] if "ray start" in c]
-    assert start and all(f"RAY_preload_python_modules={PRELOAD_MODULES} ray start" in c for c in start)
-    for module in PRELOAD_MODULES.split(","):
+
+    def starts(commands: str) -> list[str]:
+        return [c for c in config[commands] if "ray start" in c]
+    proxy = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+    assert starts("head_start_ray_commands") and all(
+        f"{proxy}={STARTUP_ENVIRONMENT[proxy]} " in c for c in starts("head_start_ray_commands"))
+    assert starts("worker_start_ray_commands") and all(
+        f"{name}={value} " in c for c in starts("worker_start_ray_commands")
+        for name, value in STARTUP_ENVIRONMENT.items())
+    # KubeRay's containers the same: the head's proxy callback, every worker group all of it
+    spec = load(os.path.join(CONFIGS, "kuberay-rayservice.yaml"))["spec"]["rayClusterConfig"]
+
+    def env(group: dict) -> dict:
+        (container,) = group["template"]["spec"]["containers"]
+        return {e["name"]: e["value"] for e in container.get("env", [])}
+    assert env(spec["headGroupSpec"]) == {proxy: STARTUP_ENVIRONMENT[proxy]}
+    assert all(env(group) == STARTUP_ENVIRONMENT for group in spec["workerGroupSpecs"])
+    for module in STARTUP_ENVIRONMENT["RAY_preload_python_modules"].split(","):
         importlib.import_module(module)
+    module, function = STARTUP_ENVIRONMENT[proxy].split(":")
+    assert callable(getattr(importlib.import_module(module), function))
 
 
 def test_schema_check_can_fail(cluster_schema):
@@ -58,7 +79,7 @@ def test_schema_check_can_fail(cluster_schema):
 
 def serve_configs():
     out = {name: load(os.path.join(CONFIGS, f"{name}.yaml"))
-           for name in ("cpu-tiny", "cpu-two-models", "gpu-shared", "gpu-separate",
+           for name in ("cpu-tiny", "cpu-two-models", "cpu-autoscaling", "gpu-shared", "gpu-separate",
                         "gpu-shared-one-encoder", "gpu-shared-encoder-in-router")}
     out["kuberay"] = yaml.safe_load(load(os.path.join(CONFIGS, "kuberay-rayservice.yaml"))["spec"]["serveConfigV2"])
     return out
@@ -102,7 +123,7 @@ def test_two_models_get_their_own_tiers():
         "Router", "GlobalEncoder-ocr-a", "LocalEncoder-ocr-a", "Decoder-ocr-a", "Encoder-ocr-b", "Decoder-ocr-b"}
 
 
-@pytest.mark.parametrize("name", ["cpu-tiny", "cpu-two-models", "gpu-shared", "gpu-separate",
+@pytest.mark.parametrize("name", ["cpu-tiny", "cpu-two-models", "cpu-autoscaling", "gpu-shared", "gpu-separate",
                                   "gpu-shared-one-encoder", "gpu-shared-encoder-in-router", "kuberay"])
 def test_serve_configs_validate(name):
     config = serve_configs()[name]
@@ -126,7 +147,7 @@ def test_serve_configs_validate(name):
     build(config)
 
 
-@pytest.mark.parametrize("name", ["cpu-tiny", "cpu-two-models", "gpu-shared", "gpu-separate",
+@pytest.mark.parametrize("name", ["cpu-tiny", "cpu-two-models", "cpu-autoscaling", "gpu-shared", "gpu-separate",
                                   "gpu-shared-one-encoder", "gpu-shared-encoder-in-router"])
 def test_yamls_state_only_what_differs_from_the_code(name):
     """No number is both a code default and a YAML value: a YAML restating a default would
@@ -147,6 +168,130 @@ def test_yamls_state_only_what_differs_from_the_code(name):
 def test_kuberay_runs_the_gpu_separate_config():
     configs = serve_configs()
     assert configs["kuberay"] == configs["gpu-separate"]
+
+
+# Per-tier hardware: the custom resource each GPU tier asks for where it has GPUs of its own,
+# and which only its node group declares (cluster.yaml, kuberay-rayservice.yaml).
+TIER_RESOURCES = {"GlobalEncoder": "encoder_gpu", "LocalEncoder": "encoder_gpu", "Encoder": "encoder_gpu",
+                  "Decoder": "decoder_gpu"}
+
+
+def gpu_yamls() -> list[str]:
+    """Every GPU Serve config: the gpu-*.yaml files and the KubeRay file's."""
+    names = sorted(f[:-len(".yaml")] for f in os.listdir(CONFIGS) if f.startswith("gpu-") and f.endswith(".yaml"))
+    return names + ["kuberay"]
+
+
+def tier_demands(config: dict) -> dict[str, dict]:
+    """Each GPU tier's GPUs, CPUs, custom resources and replica bounds, by deployment name."""
+    (app,) = config["applications"]
+    demands = {}
+    for d in app["deployments"]:
+        options = d.get("ray_actor_options", {})
+        if options.get("num_gpus", 0) > 0 and d["name"] != "Router":
+            auto = d.get("autoscaling_config", {})
+            demands[d["name"]] = {"gpus": options["num_gpus"], "cpus": options.get("num_cpus", 0),
+                                  "resources": options.get("resources", {}),
+                                  "min": auto.get("min_replicas", d.get("num_replicas", 1)),
+                                  "max": auto.get("max_replicas", d.get("num_replicas", 1))}
+    return demands
+
+
+@pytest.mark.parametrize("name", gpu_yamls())
+def test_every_gpu_yaml_gives_each_tier_its_hardware(name):
+    """A tier with whole GPUs of its own asks for its tier's resource, one unit per GPU (the
+    autoscaler then starts a node of its group); tiers that share one GPU (fractions) ask for
+    none: a one-machine `serve run` declares no custom resources, and would never place them.
+    The Router asks for none (it runs on CPUs anywhere)."""
+    config = serve_configs()[name] if name == "kuberay" else load(os.path.join(CONFIGS, f"{name}.yaml"))
+    demands = tier_demands(config)
+    assert demands, name
+    shared = any(d["gpus"] < 1 for d in demands.values())
+    for tier, demand in demands.items():
+        expected = {} if shared else {TIER_RESOURCES[tier]: demand["gpus"]}
+        assert demand["resources"] == expected, (name, tier)
+    (app,) = config["applications"]
+    for d in app["deployments"]:
+        if d["name"] not in demands:
+            assert "resources" not in d.get("ray_actor_options", {}), (name, d["name"])
+
+
+def resource_needs(config: dict) -> dict[str, dict]:
+    """Per tier resource: the units its tiers need at their minimum and maximum replicas, and
+    the CPUs that come with each unit (the most any of its tiers takes)."""
+    needs = {}
+    for demand in tier_demands(config).values():
+        for resource, units in demand["resources"].items():
+            need = needs.setdefault(resource, {"min": 0, "max": 0, "cpus_per_unit": 0})
+            need["min"] += units * demand["min"]
+            need["max"] += units * demand["max"]
+            need["cpus_per_unit"] = max(need["cpus_per_unit"], demand["cpus"] / units)
+    return needs
+
+
+def check_node_types_provide(needs: dict, node_types: dict, cpus_known: bool) -> None:
+    """Exactly one worker node type declares each tier resource; its nodes hold the tiers'
+    maximum replicas (and their minimum from the start: warm nodes, as encoders take minutes to
+    capture graphs), with the CPUs those replicas take where the node's CPUs are known."""
+    for resource, need in needs.items():
+        providers = [t for t in node_types.values() if t["resources"].get(resource, 0) > 0]
+        assert len(providers) == 1, (resource, providers)
+        (node,) = providers
+        units = node["resources"][resource]
+        assert node["max_workers"] * units >= need["max"], (resource, node)
+        assert node["min_workers"] * units >= need["min"], (resource, node)
+        if cpus_known:
+            assert node["resources"].get("CPU", 0) >= units * need["cpus_per_unit"], (resource, node)
+            assert node["resources"].get("GPU", 0) == units, (resource, node)  # one unit per GPU
+
+
+def test_cluster_yaml_has_a_node_group_for_each_tier():
+    """cluster.yaml's worker types provide what gpu-separate.yaml's tiers ask for (their CPUs
+    and GPUs are detected from the instance type at launch, so only the custom resources are
+    checked here)."""
+    config = load(os.path.join(ROOT, "cluster.yaml"))
+    needs = resource_needs(serve_configs()["gpu-separate"])
+    assert set(needs) == {"encoder_gpu", "decoder_gpu"}
+    check_node_types_provide(needs, config["available_node_types"], cpus_known=False)
+
+
+def test_kuberay_has_a_worker_group_for_each_tier():
+    """The KubeRay worker groups, as KubeRay's autoscaler reads them (Ray's own translation
+    of a group spec into a node type: CPUs and GPUs from the container's limits, custom
+    resources from rayStartParams), provide what the RayService's tiers ask for."""
+    from ray.autoscaler._private.kuberay.autoscaling_config import _node_type_from_group_spec
+    cluster = load(os.path.join(CONFIGS, "kuberay-rayservice.yaml"))["spec"]["rayClusterConfig"]
+    node_types = {g["groupName"]: _node_type_from_group_spec(g, is_head=False) for g in cluster["workerGroupSpecs"]}
+    needs = resource_needs(serve_configs()["kuberay"])
+    assert set(needs) == {"encoder_gpu", "decoder_gpu"}
+    check_node_types_provide(needs, node_types, cpus_known=True)
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # no replicas on head
+
+
+def test_node_type_check_can_fail():
+    """The check refuses a cluster whose encoder group is missing or too small."""
+    config = load(os.path.join(ROOT, "cluster.yaml"))
+    needs = resource_needs(serve_configs()["gpu-separate"])
+    node_types = copy.deepcopy(config["available_node_types"])
+    node_types["encoder_gpu_worker"]["max_workers"] = 1
+    with pytest.raises(AssertionError):
+        check_node_types_provide(needs, node_types, cpus_known=False)
+    del node_types["encoder_gpu_worker"]
+    with pytest.raises(AssertionError):
+        check_node_types_provide(needs, node_types, cpus_known=False)
+
+
+def test_cpu_autoscaling_exercises_the_gpu_tiers_resources():
+    """cpu-autoscaling.yaml (the fake autoscaling cluster's config) asks for gpu-separate.yaml's
+    tier resources, and the fake cluster's node types (bench/autoscale_timeline.py) provide
+    them, one type per resource, as cluster.yaml's groups do."""
+    from bench.autoscale_timeline import NODE_KINDS, NODE_TYPES, tier_resources
+    cpu, gpu = serve_configs()["cpu-autoscaling"], serve_configs()["gpu-separate"]
+    gpu_tiers = {tier: resources for tier, resources in tier_resources(gpu).items() if resources}
+    assert gpu_tiers and {tier: tier_resources(cpu)[tier] for tier in gpu_tiers} == gpu_tiers
+    assert tier_resources(cpu)["Router"] == {}
+    for resource in NODE_KINDS:
+        assert [name for name, t in NODE_TYPES.items() if resource in t["resources"]], resource
 
 
 @pytest.mark.parametrize("name", ["gpu-shared", "gpu-shared-one-encoder", "gpu-shared-encoder-in-router"])
@@ -260,12 +405,12 @@ def test_replica_allocator_setting_has_a_switch(monkeypatch):
     assert calls == [1]
 
 
-def test_readme_lists_every_switch():
-    """The README's switches table is common/switches.py's: every variable, its default and
-    its values."""
+def test_docs_list_every_switch():
+    """docs/switches.md's table is common/switches.py's: every variable, its default and its
+    values."""
     from common.switches import SWITCHES
-    with open(os.path.join(ROOT, "README.md")) as f:
-        section = f.read().split("## Switches", 1)[1].split("\n#", 1)[0]
+    with open(os.path.join(ROOT, "docs", "switches.md")) as f:
+        section = f.read().split("# Switches", 1)[1]
     rows = [line.split("|")[1:4] for line in section.splitlines() if line.startswith("| `")]
     documented = {name.strip().strip("`"): (default.strip().strip("`"), values.strip())
                   for name, default, values in rows}
