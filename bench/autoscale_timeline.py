@@ -55,6 +55,7 @@ APP = "ocr"
 TIERS = ("GlobalEncoder", "LocalEncoder", "Decoder")
 # A node's type, told by the custom resource it declares (the head declares neither).
 NODE_KINDS = {"encoder_gpu": "encoder", "decoder_gpu": "decoder"}
+TIER_NODES = {"GlobalEncoder": "encoder", "LocalEncoder": "encoder", "Decoder": "decoder"}
 # The fake cluster's worker node types, as cluster.yaml's GPU groups: an encoder node has two
 # "GPUs" (both paths' first replicas fit on one node, a third encoder replica needs another),
 # a decoder node one. No CPUs: a tier node takes only its tier (cpu-autoscaling.yaml gives the
@@ -220,9 +221,25 @@ class PrivateCluster:
                                      object_store_memory=OBJECT_STORE_BYTES)
 
     def kill_node(self, node) -> None:
-        """The worker node's processes killed at once (SIGKILL, no graceful stop): as a machine
-        that is lost; its workers (the replicas) go with their raylet."""
-        self.cluster.remove_node(node, allow_graceful=False)
+        """The worker node lost, as a machine that goes: every process of it SIGKILLed at
+        once, its workers (the replicas) with its raylet. (Killing the raylet alone leaves its
+        workers running for up to a second or so, until they notice, and a call in flight on
+        one may still finish: no machine loss does that.)"""
+        import psutil
+        processes = []
+        for infos in node.all_processes.values():
+            for info in infos:
+                try:
+                    root = psutil.Process(info.process.pid)
+                    processes += [*root.children(recursive=True), root]
+                except psutil.NoSuchProcess:
+                    pass
+        for process in processes:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.cluster.remove_node(node, allow_graceful=False)  # reaps them; the cluster forgets the node
 
     def _processes(self) -> list:
         """Every process of this cluster: every node's, and under them (the autoscaler's
@@ -488,26 +505,33 @@ def timeline(samples: list[dict], log: list[dict], ramp: Ramp, minimum: dict, co
                 node_events.append({"t_s": sample["t_s"], "type": kind, "event":
                                     "added" if after > before else "removed", "from": before, "to": after})
 
-    # A scaling decision at t reflects the load of the look-back window before it (plus the
-    # upscale delay): a phase's decisions are those from its start + that lag (the first
-    # phase's: from its start, as nothing ran before it) to the next phase's start + that lag.
-    autoscaling = {d["name"]: d.get("autoscaling_config") for d in config["applications"][0]["deployments"]}
-    lag = max((a["look_back_period_s"] + a["upscale_delay_s"] for a in autoscaling.values() if a),
-              default=0.0)
+    # A scaling decision belongs to the phase it was taken in: with metrics every second, a
+    # tier's decision follows its load within seconds (the Decoder scaled 3-11 s into the
+    # text-heavy phase), so a fixed lag added to each phase's start miscounted the fast ones. A
+    # node added belongs to the phase of the scale-up that asked for it: the latest scale-up,
+    # before it, of a tier that runs on that node type (for a node removed: that of the
+    # scale-up that had asked for it).
     starts = ramp.phase_starts()
     bounds = list(starts.values())[1:] + [ramp.load_s + ramp.tail_s]
+    ups = [e for e in scale_events if e["to"] > e["from"]]
+
+    def phase_at(t: float) -> str:
+        return [name for name, start in starts.items() if start <= t][-1] if t >= 0 else next(iter(starts))
+
+    for event in node_events:
+        causes = [e for e in ups if TIER_NODES[e["tier"]] == event["type"] and e["t_s"] <= event["t_s"]]
+        event["phase"] = phase_at(causes[-1]["t_s"] if causes else event["t_s"])
     phases = {}
     for (name, start), end in zip(starts.items(), bounds):
-        since = start + lag if start > 0 else start
-        ups = [e for e in scale_events if e["to"] > e["from"] and since <= e["t_s"] < end + lag]
-        added = [e for e in node_events if e["event"] == "added" and since <= e["t_s"] < end + lag]
+        taken = [e for e in ups if start <= e["t_s"] < end]
+        added = [e for e in node_events if e["event"] == "added" and e["phase"] == name]
         answered = [r for r in log if r["phase"] == name]
         latencies = [(r["end_s"] - r["start_s"]) * 1e3 for r in answered if r["outcome"] == "ok"]
         phase = next(p for p in ramp.phases if p.name == name)
         phases[name] = {
-            **asdict(phase), "start_s": start, "decisions_from_s": since, "decisions_until_s": end + lag,
-            "first_scale_up": ups[0] if ups else None,
-            "tiers_scaled_up": sorted({e["tier"] for e in ups}),
+            **asdict(phase), "start_s": start, "end_s": end,
+            "first_scale_up": taken[0] if taken else None,
+            "tiers_scaled_up": sorted({e["tier"] for e in taken}),
             "node_types_added": sorted({e["type"] for e in added}),
             "requests": len(answered), "ok": len(latencies),
             "p50_ms": percentile(latencies, 50), "p99_ms": percentile(latencies, 99)}
@@ -521,7 +545,7 @@ def timeline(samples: list[dict], log: list[dict], ramp: Ramp, minimum: dict, co
     summary = {
         "config": os.path.relpath(CONFIG, ROOT), "node_types": NODE_TYPES,
         "idle_timeout_s": IDLE_TIMEOUT_S, "peak_clients": ramp.peak, "ramp_s": ramp.ramp_s,
-        "load_s": ramp.load_s, "decision_lag_s": lag, "phases": phases,
+        "load_s": ramp.load_s, "phases": phases,
         "requests": {"total": len(log), **dict(sorted(outcomes.items()))},
         "every_request_answered": all(r["outcome"] in ("ok", "refused") for r in log),
         "scale_events": scale_events, "node_events": node_events,

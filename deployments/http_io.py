@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .media import decode_data_url
+from .placement import RETRYABLE
 from .protocol import (BadRequest, Document, Images, PayloadTooLarge, UnsupportedMediaType,
                        replica_error)
 
@@ -149,8 +150,10 @@ def _json_field(value: str, name: str):
 def event_stream(events: AsyncIterator[dict], deltas, limit: float) -> StreamingResponse:
     """Server-sent events, one JSON object each, then [DONE]; a failure or the time limit
     (`limit` seconds) after the stream began is reported in-band (an error event), never a
-    silent cut. `deltas` (the generator under `events`) is closed however the stream ends, so a
-    client that went away frees its decoder slot."""
+    silent cut; a replica lost mid-stream (its node lost) as a retryable `overloaded` error, as
+    the 503 of a request that meets a lost replica before it streams. `deltas` (the generator
+    under `events`) is closed however the stream ends, so a client that went away frees its
+    decoder slot."""
     async def body():
         try:
             async with asyncio.timeout(limit):
@@ -158,6 +161,10 @@ def event_stream(events: AsyncIterator[dict], deltas, limit: float) -> Streaming
                     yield f"data: {json.dumps(event)}\n\n"
         except TimeoutError:
             error = error_body("timeout", f"the request took longer than {limit:g} s")
+            yield f"data: {json.dumps(error)}\n\n"
+        except RETRYABLE:  # the replica generating it was lost (its node, its process): retryable
+            error = error_body("overloaded", "the model replica generating this stream was lost "
+                               "and is being replaced; retry the request")
             yield f"data: {json.dumps(error)}\n\n"
         except Exception:  # noqa: BLE001
             log.exception("stream failed")

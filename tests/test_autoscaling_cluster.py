@@ -48,8 +48,8 @@ def test_every_request_is_answered_or_refused_with_retry_after(summary):
 
 def test_the_tier_that_is_short_scales_up_first_in_each_phase(summary):
     """Image-heavy: an encoder tier scales up first and the decoder not at all; text-heavy:
-    the decoder scales up first and no encoder tier does (each phase's decisions: from its
-    start, plus the look-back and upscale delay, to the next phase's)."""
+    the decoder scales up first and no encoder tier does (a phase's decisions: those taken
+    during it)."""
     images, text = summary["phases"]["image-heavy"], summary["phases"]["text-heavy"]
     assert images["first_scale_up"] and images["first_scale_up"]["tier"] in ENCODERS, brief(summary)
     assert "Decoder" not in images["tiers_scaled_up"], brief(summary)
@@ -59,7 +59,8 @@ def test_the_tier_that_is_short_scales_up_first_in_each_phase(summary):
 
 def test_nodes_of_the_type_the_tier_needs_are_added_then_removed(summary):
     """The autoscaler adds encoder nodes for the encoders and decoder nodes for the decoder,
-    each in its phase, and after the ramp removes them: the cluster ends at its minimum."""
+    each in its phase (that of the scale-up that asked for it), and after the ramp removes them:
+    the cluster ends at its minimum."""
     images, text = summary["phases"]["image-heavy"], summary["phases"]["text-heavy"]
     assert images["node_types_added"] == ["encoder"], brief(summary)
     assert text["node_types_added"] == ["decoder"], brief(summary)

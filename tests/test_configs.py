@@ -79,8 +79,8 @@ def test_schema_check_can_fail(cluster_schema):
 
 def serve_configs():
     out = {name: load(os.path.join(CONFIGS, f"{name}.yaml"))
-           for name in ("cpu-tiny", "cpu-two-models", "cpu-autoscaling", "gpu-shared", "gpu-separate",
-                        "gpu-shared-one-encoder", "gpu-shared-encoder-in-router")}
+           for name in ("cpu-tiny", "cpu-two-models", "cpu-autoscaling", "cpu-cluster", "gpu-shared",
+                        "gpu-separate", "gpu-shared-one-encoder", "gpu-shared-encoder-in-router")}
     out["kuberay"] = yaml.safe_load(load(os.path.join(CONFIGS, "kuberay-rayservice.yaml"))["spec"]["serveConfigV2"])
     return out
 
@@ -123,8 +123,9 @@ def test_two_models_get_their_own_tiers():
         "Router", "GlobalEncoder-ocr-a", "LocalEncoder-ocr-a", "Decoder-ocr-a", "Encoder-ocr-b", "Decoder-ocr-b"}
 
 
-@pytest.mark.parametrize("name", ["cpu-tiny", "cpu-two-models", "cpu-autoscaling", "gpu-shared", "gpu-separate",
-                                  "gpu-shared-one-encoder", "gpu-shared-encoder-in-router", "kuberay"])
+@pytest.mark.parametrize("name", ["cpu-tiny", "cpu-two-models", "cpu-autoscaling", "cpu-cluster", "gpu-shared",
+                                  "gpu-separate", "gpu-shared-one-encoder", "gpu-shared-encoder-in-router",
+                                  "kuberay"])
 def test_serve_configs_validate(name):
     config = serve_configs()[name]
     ServeDeploySchema.model_validate(config)
@@ -147,8 +148,8 @@ def test_serve_configs_validate(name):
     build(config)
 
 
-@pytest.mark.parametrize("name", ["cpu-tiny", "cpu-two-models", "cpu-autoscaling", "gpu-shared", "gpu-separate",
-                                  "gpu-shared-one-encoder", "gpu-shared-encoder-in-router"])
+@pytest.mark.parametrize("name", ["cpu-tiny", "cpu-two-models", "cpu-autoscaling", "cpu-cluster", "gpu-shared",
+                                  "gpu-separate", "gpu-shared-one-encoder", "gpu-shared-encoder-in-router"])
 def test_yamls_state_only_what_differs_from_the_code(name):
     """No number is both a code default and a YAML value: a YAML restating a default would
     silently stop following the code when the default changes."""
@@ -292,6 +293,25 @@ def test_cpu_autoscaling_exercises_the_gpu_tiers_resources():
     assert tier_resources(cpu)["Router"] == {}
     for resource in NODE_KINDS:
         assert [name for name, t in NODE_TYPES.items() if resource in t["resources"]], resource
+
+
+def test_cpu_cluster_exercises_the_gpu_tiers_resources():
+    """cpu-cluster.yaml (the hand-made cluster's config: rolling update and node loss) asks for
+    gpu-separate.yaml's tier resources, each worker node of bench/cluster_operations.py declares
+    one of them, and every tier, at the update's replica counts, has a second node of its type
+    to go to when one is lost."""
+    from bench.autoscale_timeline import tier_resources
+    from bench.cluster_operations import NODES, UPDATE_REPLICAS
+    cpu, gpu = serve_configs()["cpu-cluster"], serve_configs()["gpu-separate"]
+    gpu_tiers = {tier: resources for tier, resources in tier_resources(gpu).items() if resources}
+    assert gpu_tiers and {tier: tier_resources(cpu)[tier] for tier in gpu_tiers} == gpu_tiers
+    assert tier_resources(cpu)["Router"] == {}
+    (app,) = cpu["applications"]
+    replicas = {d["name"]: UPDATE_REPLICAS.get(d["name"], d.get("num_replicas", 1)) for d in app["deployments"]}
+    for resource in ("encoder_gpu", "decoder_gpu"):
+        places = [node[resource] for _, node in NODES if resource in node]
+        needed = sum(replicas[tier] * units.get(resource, 0) for tier, units in gpu_tiers.items())
+        assert len(places) >= 2 and sum(places) - max(places) >= needed, (resource, places, needed)
 
 
 @pytest.mark.parametrize("name", ["gpu-shared", "gpu-shared-one-encoder", "gpu-shared-encoder-in-router"])

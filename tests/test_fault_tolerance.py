@@ -129,3 +129,29 @@ def test_router_with_the_encoder_inside_fails_its_health_check_with_the_encoder(
     asyncio.run(encode_then_fault())
     with pytest.raises(RuntimeError, match="Encoder of both paths unusable after"):
         asyncio.run(router.check_health())
+
+
+def test_a_stream_whose_replica_is_lost_ends_with_a_retryable_error_then_done():
+    """A stream whose Decoder replica is lost mid-generation (its node went) cannot go on; it
+    ends in-band with the retryable `overloaded` error (as the 503 of a request that meets a lost
+    replica before it streams), then [DONE], and its generator is closed."""
+    import json
+
+    from deployments.http_io import event_stream
+    closed = []
+
+    async def deltas():
+        try:
+            yield {"text": "a", "finished": False}
+            raise RayActorError()
+        finally:
+            closed.append(True)
+
+    async def read():
+        generator = deltas()
+        return [chunk async for chunk in event_stream(generator, generator, limit=10).body_iterator]
+    events = [chunk.removeprefix("data: ").strip() for chunk in asyncio.run(read())]
+    assert json.loads(events[0])["text"] == "a"
+    error = json.loads(events[1])["error"]
+    assert error["type"] == "overloaded" and "retry" in error["message"]
+    assert events[2:] == ["[DONE]"] and closed == [True]
