@@ -127,8 +127,8 @@ IMAGE_HEAVY = dict(name="image-heavy", images=3, image_size=(1191, 1684), mode="
 TEXT_HEAVY = dict(name="text-heavy", images=1, image_size=(320, 240), mode="tiny", max_tokens=256)
 FULL = Ramp(peak=10, ramp_s=20, tail_s=150,
             phases=(Phase(seconds=80, **IMAGE_HEAVY), Phase(seconds=80, **TEXT_HEAVY)))
-SHORT = Ramp(peak=10, ramp_s=8, tail_s=100,
-             phases=(Phase(seconds=45, **IMAGE_HEAVY), Phase(seconds=45, **TEXT_HEAVY)))
+SHORT = Ramp(peak=10, ramp_s=6, tail_s=100,
+             phases=(Phase(seconds=35, **IMAGE_HEAVY), Phase(seconds=35, **TEXT_HEAVY)))
 
 
 def serve_config(port: int, fixed_replicas: bool) -> dict:

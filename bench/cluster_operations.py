@@ -95,7 +95,7 @@ FULL = {"update": Settings(plain_clients=3, stream_clients=3, plain_tokens=8, st
 SHORT = {"update": Settings(plain_clients=3, stream_clients=2, plain_tokens=8, stream_tokens=1000,
                             stream_rounds=1, warmup_s=4, after_s=3, wait_s=150),
          "loss": Settings(plain_clients=4, stream_clients=1, plain_tokens=8, stream_tokens=200,
-                          stream_rounds=None, warmup_s=8, after_s=15, wait_s=150)}
+                          stream_rounds=None, warmup_s=5, after_s=8, wait_s=150)}
 
 
 # --- the app's config ------------------------------------------------------------------------

@@ -437,7 +437,7 @@ def main(argv=None) -> None:
     global PORT, URL  # the helpers above read them
     PORT, URL = opts.port, f"http://127.0.0.1:{opts.port}"
     work = tempfile.mkdtemp(prefix="e2e-")
-    levels = (1, 4) if opts.smoke else tuple(int(c) for c in opts.levels.split(","))
+    levels = (4,) if opts.smoke else tuple(int(c) for c in opts.levels.split(","))
     reps = opts.reps or (1 if opts.smoke else 3)
     config_name = "cpu-tiny.yaml" if opts.smoke else opts.config
     checkpoint = None

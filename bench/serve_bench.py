@@ -235,7 +235,7 @@ def main(argv=None):
     global PAGES, ROUTERS, ROUTER_CPUS, ENCODER_CPUS, ITERS, WARMUP, SUSTAINED
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=RESULTS)
-    parser.add_argument("--reps", type=int, default=None, help="repetitions (3; --smoke: 2)")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (3; --smoke: 1)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few pages")
     parser.add_argument("--port", type=int, default=8000, help="Serve's HTTP port on 127.0.0.1")
     parser.add_argument("--py_spy", metavar="DIR", help="sample the first variant's encoder(s), "
@@ -245,9 +245,9 @@ def main(argv=None):
                                                           "shared-router-views"],
                         help="besides 'separate' (run when there are 2 GPUs)")
     opts = parser.parse_args(argv)
-    # The smoke run is sized for 2 CPU cores (about a minute and a half there): every variant
-    # and phase, few and small pages.
-    opts.reps = opts.reps or (2 if opts.smoke else 3)
+    # The smoke run is sized for 2 CPU cores (about a minute there): every variant and phase,
+    # once, few and small pages.
+    opts.reps = opts.reps or (1 if opts.smoke else 3)
     page_size = (800, 1100) if opts.smoke else (1191, 1684)
     if opts.smoke:
         PAGES, ROUTERS, ROUTER_CPUS, ENCODER_CPUS, ITERS, WARMUP, SUSTAINED = 4, 1, 0.25, 0.25, 2, 1, 1
