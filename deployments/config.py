@@ -44,9 +44,9 @@ class AppConfig(BaseModel):
         256, ge=1, le=1024, description="decoder sequences decoded together, at most (as many as "
         "the KV cache's pages hold)")
     decoder_queue: int = Field(
-        256, ge=0, le=4096, description="requests a Decoder replica holds waiting (for a batch "
-        "slot or KV-cache pages) beside those it decodes; more are refused at once with HTTP 503 "
-        "and Retry-After (waiting ones keep their time limits)")
+        256, ge=0, le=4096, description="requests a Decoder replica holds beside a full batch "
+        "(`max_batch`), waiting for a batch slot or KV-cache pages; more are refused at once with "
+        "HTTP 503 and Retry-After (waiting ones keep their time limits)")
     kv_cache_gb: float | None = Field(
         None, gt=0, description="decoder KV-cache size in GB (pages shared by all sequences); "
         "none: 70% of what the decoder's GPU memory share leaves after weights, less a 4 GB "

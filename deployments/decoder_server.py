@@ -27,7 +27,7 @@ from .model_source import (device_and_dtype, prepare_replica_process, replica_id
                            start_cuda, startup_phases)
 
 
-# Admission is the replica's own (`DecoderAdmission`: what it decodes plus `decoder_queue`
+# Admission is the replica's own (`DecoderAdmission`: a full batch plus `decoder_queue`
 # waiting), so every request must reach it: max_ongoing_requests above any max_batch +
 # decoder_queue a config sets. max_queued_requests bounds Serve's queue should one still form:
 # past it, callers get BackPressureError at once, as from a full decoder.
@@ -58,7 +58,7 @@ class DecoderServer:
                                         graphs=time.perf_counter() - loaded,
                                         graphs_compile_ahead=self.engine.engine.compile_ahead_s)
         self.probed = time.monotonic()  # last real-path probe (none needed right after start-up)
-        self.admission = DecoderAdmission(config.decoder_queue)
+        self.admission = DecoderAdmission(config.max_batch, config.decoder_queue)
         self.reported_tokens = 0  # of engine.tokens_generated, in the metrics so far
         self.reporter: asyncio.Task | None = None  # `_report_every_second`, from the first request
 
@@ -70,7 +70,7 @@ class DecoderServer:
                 "running": len(engine.running), "waiting": len(engine.waiting),
                 "preempted": len(engine.preempted), "preemptions": engine.preemptions,
                 "kv_cache_pages": engine.cache.num_pages, "kv_cache_pages_in_use": engine.cache.pages_in_use(),
-                "admission": {"held": self.admission.held, "queue_limit": self.admission.queue_limit,
+                "admission": {"held": self.admission.held, "capacity": self.admission.capacity,
                               "refused": self.admission.refused}}
 
     async def check_health(self):
@@ -125,11 +125,11 @@ class DecoderServer:
             self._leave()
 
     def _admit(self) -> None:
-        """Take the request, or refuse it at once when `decoder_queue` requests already wait
-        (the Router answers 503 with Retry-After, as for any full queue)."""
-        if not self.admission.take(running=len(self.engine.engine.running)):
-            raise BackPressureError(num_queued_requests=self.admission.queue_limit,
-                                    max_queued_requests=self.admission.queue_limit)
+        """Take the request, or refuse it at once when the replica holds a full batch and
+        `decoder_queue` more (the Router answers 503 with Retry-After, as for any full queue)."""
+        if not self.admission.take():
+            raise BackPressureError(num_queued_requests=self.admission.held,
+                                    max_queued_requests=self.admission.capacity)
         if self.reporter is None:  # the replica's event loop exists by now
             self.reporter = asyncio.get_running_loop().create_task(self._report_every_second())
         self._record_load()

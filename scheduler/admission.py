@@ -1,29 +1,33 @@
-"""A decoder replica's admission: every sequence it can decode now, plus a bounded queue.
+"""A decoder replica's admission: a full batch, plus a bounded queue.
 
-A decoder decodes up to `max_batch` sequences together, fewer when the KV cache's pages run out;
-the rest wait. Admission is sized from that, not from a per-Router constant: a replica takes a
-request while fewer than `queue_limit` of those it holds are waiting (for a batch slot or for
-KV pages), and refuses it at once otherwise, so a caller gets a 503 to retry instead of a queue
-without bound. Waiting requests keep their own time limits (the Router cancels them).
+A decoder decodes up to `max_batch` sequences together; the rest wait. Admission is sized from
+that, not from a per-Router constant: a replica holds at most `max_batch + queue_limit`
+requests (decoding, waiting for a batch slot or KV pages, or arriving) and refuses more at once,
+so a caller gets a 503 to retry instead of a queue without bound. Counted against `max_batch`,
+not against the sequences running at the moment: a burst arriving together would otherwise be
+refused before the engine has had a step to start it. Waiting requests keep their own time
+limits (the Router cancels them).
 """
 from __future__ import annotations
 
 
 class DecoderAdmission:
-    def __init__(self, queue_limit: int):
-        if queue_limit < 0:
-            raise ValueError(f"queue_limit must be at least 0, got {queue_limit}")
-        self.queue_limit = queue_limit
-        self.held = 0  # requests taken and not yet released: decoding, waiting, or being added
+    def __init__(self, max_batch: int, queue_limit: int):
+        if max_batch < 1 or queue_limit < 0:
+            raise ValueError(f"max_batch must be at least 1 and queue_limit at least 0, got "
+                             f"{max_batch} and {queue_limit}")
+        self.max_batch, self.queue_limit = max_batch, queue_limit
+        self.held = 0  # requests taken and not yet released
         self.refused = 0
 
-    def waiting(self, running: int) -> int:
-        """Requests held but not decoding (`running`: the sequences in the decode batch now)."""
-        return max(self.held - running, 0)
+    @property
+    def capacity(self) -> int:
+        return self.max_batch + self.queue_limit
 
-    def take(self, running: int) -> bool:
-        """Whether a request is taken (then `release` it when it ends); False: the queue is full."""
-        if self.waiting(running) >= self.queue_limit:
+    def take(self) -> bool:
+        """Whether a request is taken (then `release` it when it ends); False: the replica
+        holds a full batch and a full queue."""
+        if self.held >= self.capacity:
             self.refused += 1
             return False
         self.held += 1

@@ -15,18 +15,15 @@ from tests.helpers import png
 requests = pytest.importorskip("requests")
 
 
-def test_the_gate_takes_what_decodes_plus_a_bounded_queue():
-    gate = DecoderAdmission(queue_limit=2)
-    assert all(gate.take(running=0) for _ in range(2))  # two waiting: the queue is full
-    assert not gate.take(running=0) and gate.refused == 1
-    assert gate.take(running=2)  # both now decode: room for two waiting again
-    assert gate.take(running=2) and not gate.take(running=2)
-    assert gate.waiting(running=2) == 2
+def test_the_gate_takes_a_full_batch_plus_a_bounded_queue():
+    gate = DecoderAdmission(max_batch=2, queue_limit=2)
+    assert all(gate.take() for _ in range(4))  # a burst: a batch's worth and a queue's
+    assert not gate.take() and gate.refused == 1 and gate.held == 4
     gate.release()
-    assert gate.take(running=2)
-    assert not DecoderAdmission(queue_limit=0).take(running=0)
+    assert gate.take() and not gate.take()
+    assert DecoderAdmission(max_batch=1, queue_limit=0).take()
     with pytest.raises(ValueError, match="queue_limit"):
-        DecoderAdmission(-1)
+        DecoderAdmission(1, -1)
 
 
 def test_the_router_s_default_limit_is_what_the_decoders_hold():
@@ -38,7 +35,7 @@ def test_the_router_s_default_limit_is_what_the_decoders_hold():
 
 
 def test_a_full_decoder_refuses_at_once_and_takes_again_when_room_frees():
-    """One sequence decoding, one waiting: a third request is refused before any work, with
+    """A batch of one and a queue of one: a third request is refused before any work, with
     Serve's BackPressureError (the Router's 503 with Retry-After); the two complete."""
     from deployments.decoder_server import DecoderServer
     server = DecoderServer.func_or_class(AppConfig(max_batch=1, decoder_queue=1, max_len=2048))
@@ -46,10 +43,8 @@ def test_a_full_decoder_refuses_at_once_and_takes_again_when_room_frees():
 
     async def scenario():
         first = asyncio.ensure_future(server.generate([0] * 8, [], params))
-        while not server.engine.engine.running:  # it decodes
-            await asyncio.sleep(0.01)
         second = asyncio.ensure_future(server.generate([0] * 8, [], params))
-        await asyncio.sleep(0)  # taken: it waits for the batch's one slot
+        await asyncio.sleep(0)  # both taken: one decodes, one waits for the batch's one slot
         with pytest.raises(BackPressureError):
             await server.generate([0] * 8, [], params)
         stream = server.generate_stream([0] * 8, [], params)
@@ -57,7 +52,7 @@ def test_a_full_decoder_refuses_at_once_and_takes_again_when_room_frees():
             await stream.__anext__()
         done = await asyncio.gather(first, second)
         assert [d["completion_tokens"] for d in done] == [200, 200]
-        assert server.stats()["admission"] == {"held": 0, "queue_limit": 1, "refused": 2}
+        assert server.stats()["admission"] == {"held": 0, "capacity": 2, "refused": 2}
         return (await server.generate([0] * 8, [], params))["completion_tokens"]
     assert asyncio.run(scenario()) == 200
 
