@@ -42,12 +42,12 @@ Writes <name>-<date>.json (top-level `summary`; the bound's inputs under `bound`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -128,6 +128,8 @@ def main(argv=None):
     parser.add_argument("--levels", default=",".join(map(str, REALISTIC_LEVELS)),
                         help="realistic: sequences in flight, e.g. 64,256")
     parser.add_argument("--seed", type=int, default=0, help="realistic: the workload's seed")
+    parser.add_argument("--profile", action="store_true", help="realistic: also profile 10 decode "
+                        "steps at batch 1 and at each level (the kernels' shares of a step, in the JSON)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, fp32: the realistic "
                         "mode at 2 and 4 in flight, each request asking for 1/100 of its tokens")
     opts = parser.parse_args(argv)
@@ -295,7 +297,7 @@ class StepCost:
         return step_bytes(self.weights, batch, live_tokens, self.kv_bytes_per_token)
 
 
-@dataclass
+@dataclasses.dataclass
 class Step:
     seconds: float
     batch: int  # sequences in the decode step it launched
@@ -385,6 +387,40 @@ def one_page(engine, tokenizer, embeds: dict, token_scale: int, cost) -> dict:
             "decode_fraction_of_bound": bound_s / (seconds - first)}
 
 
+def profile_decode(engine, requests: list, n: int, steps: int = 10, top: int = 15) -> dict:
+    """Where a decode step's time goes: n requests prefilled (unprofiled), then `steps` decode
+    steps under torch.profiler, then the requests aborted; the device kernels (those inside the
+    decode graphs too) by total time, as shares of the kernels' sum. The contexts are the
+    prompts' (a few tokens more): shorter than mid-generation, so attention's share is low."""
+    ids = [engine.add(request) for request in requests[:n]]
+    while engine.waiting:
+        engine.step()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    device = torch.cuda.is_available()
+    if device:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync()
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        wall_s = time.perf_counter() - start
+    for request_id in ids:
+        engine.abort(request_id)
+    while engine.has_work():
+        engine.step()
+    time_of = (lambda e: e.device_time_total) if device else (lambda e: e.self_cpu_time_total)
+    events = [e for e in prof.key_averages() if time_of(e) > 0
+              and (not device or e.device_type == torch.autograd.DeviceType.CUDA)]
+    total = sum(time_of(e) for e in events) or 1
+    kernels = sorted(events, key=time_of, reverse=True)[:top]
+    return {"steps": steps, "batch": n, "kernel_ms_per_step": total / 1e3 / steps,
+            "wall_ms_per_step": 1e3 * wall_s / steps,  # profiled: the host's share is inflated
+            "top": [{"name": e.key[:120], "ms_per_step": time_of(e) / 1e3 / steps,
+                     "share": time_of(e) / total, "calls_per_step": e.count / steps} for e in kernels]}
+
+
 def measure_realistic(opts) -> None:
     if opts.smoke:
         args, device, dtype, token_scale, levels = DecoderArgs.tiny(), "cpu", torch.float32, 100, (2, 4)
@@ -405,6 +441,9 @@ def measure_realistic(opts) -> None:
     specs = {n: draw_specs(ROUNDS * n, opts.seed + n) for n in levels}
     counts = sorted({image_tokens(spec.size) for n in levels for spec in specs[n]} | {ONE_PAGE["image_tokens"]})
     embeds = {count: 0.02 * torch.randn(count, args.hidden, generator=gen) for count in counts}
+    setting = {"levels": levels, "specs": specs, "bandwidth": bandwidth, "weights": weights, "dtype": dtype,
+               "kv_bytes_per_token": kv_bytes_per_token, "max_len": max_len, "device": device,
+               "token_scale": token_scale}
     variants = {}
     for variant in opts.variants:
         engine, setup_s = make_engine(model, tokenizer, variant, max(levels), max_len)
@@ -421,9 +460,22 @@ def measure_realistic(opts) -> None:
         rows["one_page"] = {**pages[len(pages) // 2], "repeats_s": [r["seconds"] for r in pages]}
         print(f"{variant} one page: {rows['one_page']['seconds']:.3f} s", flush=True)
         variants[variant] = rows
+        write_realistic(opts, variants, setting)
+        if opts.profile:  # last: a run cut off while profiling keeps its figures
+            rows["profile"] = {str(n): profile_decode(engine, page_requests(specs[max(levels)][:n], tokenizer,
+                                                                            embeds, token_scale), n)
+                               for n in (1, *levels)}  # batch 1: one page alone
+            write_realistic(opts, variants, setting)
         del engine
         if device == "cuda":
             torch.cuda.empty_cache()
+
+
+def write_realistic(opts, variants: dict, setting: dict) -> None:
+    """The JSON of the variants measured so far (`setting`: what measure_realistic measured them in)."""
+    levels, specs, bandwidth, weights, kv_bytes_per_token, dtype, max_len, device, token_scale = (
+        setting[key] for key in ("levels", "specs", "bandwidth", "weights", "kv_bytes_per_token", "dtype",
+                                 "max_len", "device", "token_scale"))
     first = variants[opts.variants[0]]
     summary = {"variant": opts.variants[0], "decode_graphs": first["decode_graphs"],
                **{f"{key}_c{n}": first[str(n)][key] for n in levels

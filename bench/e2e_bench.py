@@ -19,7 +19,8 @@ file), so its weights come from the disk as on a node that has not read them.
 Each repetition (`--reps`, default 3) starts `serve run`, times the cold start (to the first
 answered page, a grey A4 page sent as soon as a Router answers /health; and to the first 200 of
 /ready), sends each concurrency level's pages (`--levels`; 5 pages at 1 in flight, 3c at c),
-then stops the app. The pages (`--workload`): `realistic`, bench/workload.py's mix (grey text,
+then 5 grey A4 pages alone with stream=true (the client's time to first token and to the end:
+`one_page_streamed`), then stops the app. The pages (`--workload`): `realistic`, bench/workload.py's mix (grey text,
 colour scans, photographed pages, slides, receipts, strips; A4, Letter and odd sizes; PNG and
 JPEG; max_tokens from its length distribution, median 700), or `uniform`, the former workload
 (grey 1191x1684 PNGs, 700 tokens each). Every page of a repetition differs (the router's encoder
@@ -51,6 +52,7 @@ import base64
 import dataclasses
 import datetime
 import glob
+import json
 import os
 import re
 import shutil
@@ -74,6 +76,7 @@ from bench.workload import describe, make_workload, uniform_page, uniform_worklo
 PORT = 8000  # --port: HTTP on 127.0.0.1
 URL = f"http://127.0.0.1:{PORT}"
 FIRST_PAGE_TOKENS = 700
+ALONE_PAGES = 5  # one page alone, streamed, after the levels
 CONCURRENCY = (1, 16, 64, 256)
 # Issue 38: generated tokens/s at the best level without a refusal (≈ 30 pages/s at 700 tokens a
 # page), and the cold start.
@@ -142,6 +145,36 @@ def ocr(image: bytes, max_tokens: int, give_up_after_s: float = 900) -> dict:
     answer = response.json()
     return {"sent": sent, "answered": answered, "refusals": refusals,
             "tokens": answer["usage"]["completion_tokens"], "timings": answer["timings"]}
+
+
+def streamed(image: bytes, max_tokens: int) -> dict:
+    """One page alone with stream=true: the client's time to its first token event and to
+    [DONE] (seconds)."""
+    body = {"image": base64.b64encode(image).decode(), "max_tokens": max_tokens, "timeout_s": 3600,
+            "stream": True}
+    sent, first, tokens = time.perf_counter(), None, 0
+    with requests.post(f"{URL}/v1/ocr", json=body, timeout=3700, stream=True) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event}")
+            if event.get("completion_tokens"):
+                first = first or time.perf_counter()
+                tokens = event["completion_tokens"]
+    return {"ttft_s": first - sent, "total_s": time.perf_counter() - sent, "tokens": tokens}
+
+
+def alone(count: int, max_tokens: int) -> dict:
+    """`count` different grey A4 pages one after another, streamed: the median time to first
+    token and to the last (issue 38 compares the first to the in-process encode + prefill)."""
+    pages = [streamed(uniform_page(f"alone {i}"), max_tokens) for i in range(count)]
+    return {"pages": count, "max_tokens": max_tokens,
+            "ttft_s_p50": statistics.median(p["ttft_s"] for p in pages),
+            "total_s_p50": statistics.median(p["total_s"] for p in pages),
+            "ttft_s": [p["ttft_s"] for p in pages], "total_s": [p["total_s"] for p in pages]}
 
 
 def load(items, concurrency: int) -> tuple[dict, list[dict]]:
@@ -313,6 +346,9 @@ def repetition(config: str, levels, pages: dict, first_page: bytes, first_tokens
             print(f"c{c}: {row['pages_per_s']:.2f} pages/s, {row['tokens_per_s']:.0f} tokens/s "
                   f"(steady {row['steady_tokens_per_s'] or 0:.0f}; decoder {row.get('decoder_tokens_per_s') or 0:.0f}), "
                   f"p50 {row['p50_s']:.2f} s, p99 {row['p99_s']:.2f} s, {row['refusals']} refused", flush=True)
+        one_page = alone(ALONE_PAGES, first_tokens)  # after the levels: every graph and kernel warm
+        print(f"one page alone, streamed: first token {one_page['ttft_s_p50']:.3f} s, "
+              f"all {one_page['total_s_p50']:.3f} s", flush=True)
         tiers = requests.get(f"{URL}/ready", timeout=30).json()["tiers"]
     except Exception:  # the app's side of a failure is in its log (replica logs included)
         log.flush()
@@ -323,7 +359,7 @@ def repetition(config: str, levels, pages: dict, first_page: bytes, first_tokens
             metrics.stop()
         stop(server)
     return {"cold_start_s": cold_start, "ready_s": ready_s, "first_page_timings_ms": first["timings"],
-            "triton_cache_files_before": triton_files, "metrics_url": url, "levels": rows, "tiers": tiers}
+            "triton_cache_files_before": triton_files, "metrics_url": url, "levels": rows, "one_page_streamed": one_page, "tiers": tiers}
 
 
 def stop(server) -> None:
@@ -382,6 +418,9 @@ def summarize(reps: list[dict], levels) -> tuple[dict, dict]:
                "pages_per_s_best": rows[best]["pages_per_s"],
                "refusals": {c: [rep["levels"][c]["refusals"] for rep in reps] for c in rows},
                "p50_s_c1": rows.get("1", {}).get("p50_s"),
+               "one_page_streamed_ttft_s": statistics.median(rep["one_page_streamed"]["ttft_s_p50"] for rep in reps),
+               "one_page_streamed_total_s": statistics.median(rep["one_page_streamed"]["total_s_p50"]
+                                                              for rep in reps),
                "cold_start_s": statistics.median(cold), "cold_start_s_runs": cold,
                "ready_s": statistics.median(ready) if ready else None, "ready_s_runs": ready,
                "first_page_timings_ms": reps[0]["first_page_timings_ms"], "targets": TARGETS}

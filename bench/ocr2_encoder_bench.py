@@ -89,27 +89,32 @@ def main(argv=None):
                 "ours_graphs_ms": wall_ms(lambda: engine.encode(staged), opts.iters),
                 "ours_graphs_split_flow_ms": wall_ms(lambda: split.encode(staged), opts.iters),
                 "ours_eager_ms": wall_ms(lambda: eager.encode(staged), opts.iters),
-                "transformers_batched_ms": wall_ms(
-                    lambda: theirs_encode(theirs, global_views, crops, [6] * batch), opts.iters),
             }
-            if batch > 1:  # one image per call, as vLLM's deepseek_ocr2 encodes
-                row["transformers_per_image_ms"] = wall_ms(lambda: [
-                    theirs_encode(theirs, global_views[i:i + 1], crops[6 * i:6 * i + 6], [6])
-                    for i in range(batch)], max(3, opts.iters // 4))
             got = torch.cat(engine.encode(staged))
             row["split_flow_rel_err"] = rel_err(torch.cat(split.encode(staged)).float(), got.float())
-            want = theirs_encode(theirs, global_views, crops, [6] * batch)
-            want = torch.cat(list(want)) if isinstance(want, (list, tuple)) else want.reshape(got.shape)
-            equal[batch] = rel_err(got.float(), want.float())
+            try:  # the reference's dense rel-pos bias: 23 GB at batch 32, past an 80 GB card's room
+                row["transformers_batched_ms"] = wall_ms(
+                    lambda: theirs_encode(theirs, global_views, crops, [6] * batch), opts.iters)
+                if batch > 1:  # one image per call, as vLLM's deepseek_ocr2 encodes
+                    row["transformers_per_image_ms"] = wall_ms(lambda: [
+                        theirs_encode(theirs, global_views[i:i + 1], crops[6 * i:6 * i + 6], [6])
+                        for i in range(batch)], max(3, opts.iters // 4))
+                want = theirs_encode(theirs, global_views, crops, [6] * batch)
+                want = torch.cat(list(want)) if isinstance(want, (list, tuple)) else want.reshape(got.shape)
+                equal[batch] = rel_err(got.float(), want.float())
+            except torch.OutOfMemoryError:
+                row["transformers_error"] = "out of memory"
+                torch.cuda.empty_cache()
         for key in [k for k in row if k.endswith("_ms")]:
             row[key.replace("_ms", "_pages_per_s")] = batch * 1e3 / row[key]
         row["ours_graphs_mfu"] = page_flops * batch / (row["ours_graphs_ms"] / 1e3) / (PEAK_TFLOPS * 1e12)
-        row["rel_err_vs_transformers"] = equal[batch]
+        row["rel_err_vs_transformers"] = equal.get(batch)
         results[batch] = row
-        print(f"batch {batch}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()), flush=True)
+        print(f"batch {batch}: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                             for k, v in row.items()), flush=True)
 
     best = max(BATCHES[1:], key=lambda b: results[b]["ours_graphs_pages_per_s"])
-    best_reference = max(results[b]["transformers_batched_pages_per_s"] for b in BATCHES[1:])
+    best_reference = max(results[b].get("transformers_batched_pages_per_s", 0) for b in BATCHES[1:])
     summary = {
         "page_b1_ms": results[1]["ours_graphs_ms"],
         "transformers_page_b1_ms": results[1]["transformers_batched_ms"],

@@ -75,6 +75,9 @@ def test_e2e_bench_smoke(tmp_path):
         # The metrics, waited for until they showed the level's requests.
         assert row["decoder_tpot_ms_mean"] > 0 and row["app_completion_tokens"] == row["generated_tokens"]
         assert row["decoder_generated_tokens"] == row["generated_tokens"] and row["decoder_tokens_per_s"] > 0
+    alone = result["reps"][0]["one_page_streamed"]  # one page at a time, streamed
+    assert alone["pages"] == 5 and 0 < alone["ttft_s_p50"] < alone["total_s_p50"]
+    assert summary["one_page_streamed_ttft_s"] == alone["ttft_s_p50"]
     decoder = result["reps"][0]["tiers"]["Decoder"]
     assert decoder["max_batch"] == 256 and decoder["kv_cache_tokens"] > 0  # the defaults: paged
 
@@ -109,8 +112,9 @@ def test_serve_bench_smoke(tmp_path):
 @pytest.mark.slow
 def test_decoder_bench_realistic_smoke(tmp_path):
     """Pages' contexts (their image tokens and lengths) through the engine, n in flight, against
-    the bound from the weights touched and the live KV cache at the copy bandwidth measured."""
-    result = run_smoke("decoder_bench.py", "decoder-realistic", tmp_path)
+    the bound from the weights touched and the live KV cache at the copy bandwidth measured; the
+    decode-step profiles at batch 1 and each level."""
+    result = run_smoke("decoder_bench.py", "decoder-realistic", tmp_path, "--profile")
     run = result["variants"]["decode_graphs"]
     for n in (2, 4):
         row = run[str(n)]
@@ -122,6 +126,10 @@ def test_decoder_bench_realistic_smoke(tmp_path):
         assert 273 <= result["workload"]["pages"][str(n)]["image_tokens"]["min"]
         assert result["workload"]["pages"][str(n)]["image_tokens"]["max"] <= 933
     assert run["one_page"]["generated_tokens"] == 7 and run["one_page"]["prompt_tokens"] > 903
+    for n in (1, 2, 4):
+        profile = run["profile"][str(n)]
+        assert profile["batch"] == n and profile["wall_ms_per_step"] > 0 and profile["kernel_ms_per_step"] > 0
+        assert 0 < sum(k["share"] for k in profile["top"]) <= 1 + 1e-9
     bound = result["bound"]
     weights = bound["weights_bytes"]
     vocab = 129280  # the tiny model keeps the real vocabulary
