@@ -32,21 +32,29 @@ class StartupProbes:
         self.app = app
         self.answer_within_s = answer_within_s
         self.answered: set[str] = set()  # probe paths a Router has answered: started
+        # Per probe path, the call still held in the proxy. It is left to finish, not cancelled:
+        # a cancelled call makes Serve's proxy log a disconnect and an unretrieved
+        # RequestCancelledError traceback for every probe of a start-up. One call a path at a
+        # time: while it is held, later probes are answered at once.
+        self.held: dict[str, asyncio.Future] = {}
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
         if (scope["type"] != "http" or scope["method"] != "GET"
                 or not path.rstrip("/").endswith(PROBES) or path in self.answered):
             return await self.app(scope, receive, send)
+        if path in self.held:
+            return await _unavailable(send, "no Router replica has answered yet: the app is starting")
         messages = []
 
         async def keep(message):
             messages.append(message)
 
-        call = asyncio.ensure_future(self.app(scope, receive, keep))
+        call = asyncio.ensure_future(self.app(scope, _request_then_wait(), keep))
         finished, _ = await asyncio.wait([call], timeout=self.answer_within_s)
         if not finished:  # the route is held: no Router replica is up yet
-            call.cancel()
+            self.held[path] = call
+            call.add_done_callback(lambda done: self._settled(path, done, messages))
             return await _unavailable(send, f"no Router replica answered within "
                                             f"{self.answer_within_s:g} s: the app is starting")
         call.result()
@@ -55,6 +63,27 @@ class StartupProbes:
         self.answered.add(path)
         for message in messages:
             await send(message)
+
+    def _settled(self, path: str, call: asyncio.Future, messages: list) -> None:
+        """A held call ended (a Router came up, or the proxy gave up on it): the next probe of
+        its path goes through again, or, a Router having answered, passes untouched."""
+        del self.held[path]
+        if not call.cancelled() and call.exception() is None and messages and not _not_routed(messages):
+            self.answered.add(path)
+
+
+def _request_then_wait():
+    """`receive` for a held probe call: its empty GET body, then nothing (never a disconnect:
+    the client's connection has its answer already and may close)."""
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()
+    return receive
 
 
 def _not_routed(messages: list) -> bool:

@@ -6,7 +6,7 @@ import json
 from deployments.probes import StartupProbes, proxy_middlewares
 
 
-def call(app, path: str, method: str = "GET") -> tuple[int, dict, bytes]:
+async def acall(app, path: str, method: str = "GET") -> tuple[int, dict, bytes]:
     """One request through `app`: (status, headers, body)."""
     sent = []
 
@@ -16,9 +16,13 @@ def call(app, path: str, method: str = "GET") -> tuple[int, dict, bytes]:
     async def send(message):
         sent.append(message)
 
-    asyncio.run(app({"type": "http", "method": method, "path": path, "headers": []}, receive, send))
+    await app({"type": "http", "method": method, "path": path, "headers": []}, receive, send)
     headers = {k.decode(): v.decode() for k, v in sent[0].get("headers", [])}
     return sent[0]["status"], headers, b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def call(app, path: str, method: str = "GET") -> tuple[int, dict, bytes]:
+    return asyncio.run(acall(app, path, method))
 
 
 def router(status=200, body=b'{"status": "ok"}', delay_s=0.0, log=None):
@@ -51,11 +55,38 @@ def test_a_route_not_registered_yet_is_answered_starting():
         assert "not registered" in json.loads(body)["error"]["message"]
 
 
-def test_a_held_probe_is_answered_within_the_limit_and_its_call_cancelled():
+def test_a_held_probe_is_answered_within_the_limit_and_its_call_left_to_finish():
+    """The held call is not cancelled (Serve's proxy would log a traceback for each); while it
+    is held, further probes of its path are answered at once without another call; once the
+    Router answers it, the middleware steps aside for that path."""
     log = []
-    status, _, body = call(StartupProbes(router(delay_s=30, log=log), answer_within_s=0.05), "/ready")
-    assert status == 503 and "no Router replica answered" in json.loads(body)["error"]["message"]
-    assert log == ["cancelled"]  # the held request does not wait on in the proxy
+    probes = StartupProbes(router(delay_s=0.3, log=log), answer_within_s=0.05)
+
+    async def scenario():
+        status, _, body = await acall(probes, "/ready")
+        assert status == 503 and "no Router replica answered" in json.loads(body)["error"]["message"]
+        status, _, body = await acall(probes, "/ready")  # at once: the first call is still held
+        assert status == 503 and "has answered yet" in json.loads(body)["error"]["message"]
+        assert log == [] and set(probes.held) == {"/ready"}
+        await asyncio.sleep(0.5)  # the Router comes up and answers the held call
+        assert log == ["/ready"] and probes.held == {} and probes.answered == {"/ready"}
+        probes.answer_within_s = 0.01  # stepped aside: a slow answer now is the Router's
+        return await acall(probes, "/ready")
+    assert asyncio.run(scenario())[0] == 200
+    assert log == ["/ready", "/ready"]
+
+
+def test_a_held_call_answered_by_serve_s_404_is_tried_again():
+    async def late_unrouted(scope, receive, send):
+        await asyncio.sleep(0.1)
+        await unrouted(scope, receive, send)
+    probes = StartupProbes(late_unrouted, answer_within_s=0.01)
+
+    async def scenario():
+        assert (await acall(probes, "/health"))[0] == 503
+        await asyncio.sleep(0.2)
+        assert probes.held == {} and probes.answered == set()  # not a Router's answer
+    asyncio.run(scenario())
 
 
 def test_a_router_answer_passes_through_and_then_the_middleware_steps_aside():
