@@ -320,8 +320,12 @@ def repetition(config: str, levels, pages: dict, first_page: bytes, first_tokens
     # another)
     serve_run = [sys.executable, "-m", "deployments", config]
     started = time.perf_counter()
+    # SIGINT at its default in `serve run` (stop() sends it, as Ctrl-C): a bench started in the
+    # background of a shell ignores it, and the ignoring is inherited (`serve run` then waited
+    # out stop()'s 60 s every repetition).
     server = subprocess.Popen(serve_run, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, start_new_session=True)
+                              stdin=subprocess.DEVNULL, start_new_session=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = None
     try:
         cold_start, ready_s, first = wait_for_first_page(server, started, first_page, first_tokens, log_path)

@@ -241,7 +241,7 @@ def main(argv=None):
     plans, sampler = layouts(gpus, opts.smoke), GpuSampler()
     spread = sweep("spread", checkpoint, plans["spread"], levels, max_tokens, opts.smoke, sampler)
     squeezed = sweep("squeezed", checkpoint, plans["squeezed"], levels, max_tokens, opts.smoke, sampler)
-    step = autoscale(checkpoint, plans["autoscaled"], *((2, 8, 5, 25) if opts.smoke else (8, 64, 30, 150)),
+    step = autoscale(checkpoint, plans["autoscaled"], *((2, 8, 3, 12) if opts.smoke else (8, 64, 30, 150)),
                      max_tokens, opts.smoke)
     best = {k: max(r["pages_per_s"] for r in v["levels"]) for k, v in (("spread", spread), ("squeezed", squeezed))}
     top = {k: v["levels"][-1] for k, v in (("spread", spread), ("squeezed", squeezed))}

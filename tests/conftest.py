@@ -22,6 +22,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The modules on the shared Serve app (`serve_app`) run last, together: the app starts once
+    # for all of them, and no other test runs beside its idle cluster.
+    on_app = {item.module.__name__ for item in items if "serve_app" in item.fixturenames}
+    items.sort(key=lambda item: item.module.__name__ in on_app)  # stable: otherwise as collected
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -80,10 +84,12 @@ METRICS_PORT = free_port()  # Ray's Prometheus export of this test cluster
 SERVE_APP = "ocr-test"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def serve_app():
-    """The app (tiny model, CPU, max_len 2048, max_images 8, max_pages 400) on a real Ray cluster for one test
-    module: a handle to its Router; HTTP on SERVE_URL."""
+    """The app (tiny model, CPU, max_len 2048, max_images 8, max_pages 400) on a real Ray
+    cluster, started once for every module that uses it (they run last: see
+    pytest_collection_modifyitems): a handle to its Router; HTTP on SERVE_URL. A module that
+    deploys another app beside it deletes that app when done."""
     ray = pytest.importorskip("ray")
     from ray import serve
 
