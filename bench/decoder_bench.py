@@ -389,8 +389,9 @@ def one_page(engine, tokenizer, embeds: dict, token_scale: int, cost) -> dict:
 
 def profile_decode(engine, requests: list, n: int, steps: int = 10, top: int = 15) -> dict:
     """Where a decode step's time goes: n requests prefilled (unprofiled), then `steps` decode
-    steps under torch.profiler, then the requests aborted; the device kernels (those inside the
-    decode graphs too) by total time, as shares of the kernels' sum. The contexts are the
+    steps under torch.profiler, then the requests aborted; the device kernels the profiler saw
+    (with decode graphs: those their replays ran) by total time, as shares of the kernels' sum,
+    and the steps' wall time. The contexts are the
     prompts' (a few tokens more): shorter than mid-generation, so attention's share is low."""
     ids = [engine.add(request) for request in requests[:n]]
     while engine.waiting:

@@ -20,12 +20,13 @@ Each repetition (`--reps`, default 3) starts `serve run`, times the cold start (
 answered page, a grey A4 page sent as soon as a Router answers /health; and to the first 200 of
 /ready), sends each concurrency level's pages (`--levels`; 5 pages at 1 in flight, 3c at c),
 then 5 grey A4 pages alone with stream=true (the client's time to first token and to the end:
-`one_page_streamed`), then stops the app. The pages (`--workload`): `realistic`, bench/workload.py's mix (grey text,
-colour scans, photographed pages, slides, receipts, strips; A4, Letter and odd sizes; PNG and
-JPEG; max_tokens from its length distribution, median 700), or `uniform`, the former workload
-(grey 1191x1684 PNGs, 700 tokens each). Every page of a repetition differs (the router's encoder
-cache never hits); every repetition sends the same pages. A page refused (503 or 429) is counted
-and sent again after its Retry-After, as clients do; its latency runs from its first send.
+`one_page_streamed`), then stops the app. The pages (`--workload`): `realistic`,
+bench/workload.py's mix (grey text, colour scans, photographed pages, slides, receipts, strips;
+A4, Letter and odd sizes; PNG and JPEG; max_tokens from its length distribution, median 700),
+or `uniform`, the former workload (grey 1191x1684 PNGs, 700 tokens each). Every page of a
+repetition differs (the router's encoder cache never hits); every repetition sends the same
+pages. A page refused (503 or 429) is counted and sent again after its Retry-After, as clients
+do; its latency runs from its first send.
 
 Per level: pages/s and generated tokens/s over the level (first page sent to last answered);
 `steady_tokens_per_s`, over the span the client kept all c in flight (from the first answer to
@@ -363,7 +364,8 @@ def repetition(config: str, levels, pages: dict, first_page: bytes, first_tokens
             metrics.stop()
         stop(server)
     return {"cold_start_s": cold_start, "ready_s": ready_s, "first_page_timings_ms": first["timings"],
-            "triton_cache_files_before": triton_files, "metrics_url": url, "levels": rows, "one_page_streamed": one_page, "tiers": tiers}
+            "triton_cache_files_before": triton_files, "metrics_url": url, "levels": rows,
+            "one_page_streamed": one_page, "tiers": tiers}
 
 
 def stop(server) -> None:
@@ -422,9 +424,8 @@ def summarize(reps: list[dict], levels) -> tuple[dict, dict]:
                "pages_per_s_best": rows[best]["pages_per_s"],
                "refusals": {c: [rep["levels"][c]["refusals"] for rep in reps] for c in rows},
                "p50_s_c1": rows.get("1", {}).get("p50_s"),
-               "one_page_streamed_ttft_s": statistics.median(rep["one_page_streamed"]["ttft_s_p50"] for rep in reps),
-               "one_page_streamed_total_s": statistics.median(rep["one_page_streamed"]["total_s_p50"]
-                                                              for rep in reps),
+               **{f"one_page_streamed_{key}": statistics.median(rep["one_page_streamed"][f"{key}_p50"]
+                                                                for rep in reps) for key in ("ttft_s", "total_s")},
                "cold_start_s": statistics.median(cold), "cold_start_s_runs": cold,
                "ready_s": statistics.median(ready) if ready else None, "ready_s_runs": ready,
                "first_page_timings_ms": reps[0]["first_page_timings_ms"], "targets": TARGETS}
