@@ -78,6 +78,9 @@ def test_e2e_bench_smoke(tmp_path):
     alone = result["reps"][0]["one_page_streamed"]  # one page at a time, streamed
     assert alone["pages"] == 5 and 0 < alone["ttft_s_p50"] < alone["total_s_p50"]
     assert summary["one_page_streamed_ttft_s"] == alone["ttft_s_p50"]
+    twin = summary["in_process_first_token"]  # the same pages' first token in the bench's process
+    assert twin["pages"] == 5 and twin["first_token_s_p50"] >= twin["encode_s_p50"] > 0 and twin["prefill_s_p50"] > 0
+    assert summary["ttft_vs_in_process"] == pytest.approx(alone["ttft_s_p50"] / twin["first_token_s_p50"])
     decoder = result["reps"][0]["tiers"]["Decoder"]
     assert decoder["max_batch"] == 256 and decoder["kv_cache_tokens"] > 0  # the defaults: paged
 
