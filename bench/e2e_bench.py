@@ -362,7 +362,7 @@ def repetition(config: str, levels, pages: dict, first_page: bytes, first_tokens
     # `deepseek-ocr serve` as this interpreter runs it (a carried Ray's console scripts may name
     # another)
     serve_run = [sys.executable, "-m", "deployments", config]
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     # SIGINT at its default in `serve run` (stop() sends it, as Ctrl-C): a bench started in the
     # background of a shell ignores it, and the ignoring is inherited (`serve run` then waited
     # out stop()'s 60 s every repetition).
@@ -374,7 +374,10 @@ def repetition(config: str, levels, pages: dict, first_page: bytes, first_tokens
         cold_start, ready_s, first = wait_for_first_page(server, started, first_page, first_tokens, log_path)
         print(f"cold start {cold_start:.1f} s (/ready 200 at {ready_s} s)", flush=True)
         log.flush()
-        startup_log.write(open(log_path, errors="replace").read())
+        startup_text = open(log_path, errors="replace").read()
+        startup_log.write(startup_text)
+        phases = startup_phases(startup_text, started_at)
+        print("start-up:", ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()), flush=True)
         url = metrics_url(server.pid)
         metrics = DecoderMetrics(url) if url else None
         # Requests with a time per output token (more than one token) and tokens, so far.
@@ -405,9 +408,31 @@ def repetition(config: str, levels, pages: dict, first_page: bytes, first_tokens
         if metrics:
             metrics.stop()
         stop(server)
-    return {"cold_start_s": cold_start, "ready_s": ready_s, "first_page_timings_ms": first["timings"],
+    return {"cold_start_s": cold_start, "ready_s": ready_s, "startup_phases_s": phases,
+            "first_page_timings_ms": first["timings"],
             "triton_cache_files_before": triton_files, "metrics_url": url, "levels": rows,
             "one_page_streamed": one_page, "tiers": tiers}
+
+
+# `serve run`'s log lines that mark its start-up, in order: (phase, pattern).
+STARTUP_MARKS = (("serve_run_started", r"Running config file"), ("ray_started", r"Started a local Ray instance"),
+                 ("serve_started", r"Started Serve in namespace"), ("replicas_started", r"replica started:"),
+                 ("ready", r"GET /ready 200"))
+_LOG_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")
+
+
+def startup_phases(log: str, started_at: float) -> dict[str, float]:
+    """Seconds from the command to each start-up mark of `serve run`'s log (its last line for
+    `replicas_started`: the last replica up; its first for the rest), by the lines' timestamps
+    (this machine's local time, as Ray writes them)."""
+    found = {}
+    for line in log.splitlines():
+        for phase, pattern in STARTUP_MARKS:
+            stamp = _LOG_TIME.search(line) if re.search(pattern, line) else None
+            if stamp and (phase == "replicas_started" or phase not in found):
+                at = time.mktime(time.strptime(stamp[1], "%Y-%m-%d %H:%M:%S")) + int(stamp[2]) / 1e3
+                found[phase] = at - started_at
+    return {phase: found[phase] for phase, _ in STARTUP_MARKS if phase in found}
 
 
 def stop(server) -> None:
@@ -469,6 +494,7 @@ def summarize(reps: list[dict], levels) -> tuple[dict, dict]:
                **{f"one_page_streamed_{key}": statistics.median(rep["one_page_streamed"][f"{key}_p50"]
                                                                 for rep in reps) for key in ("ttft_s", "total_s")},
                "cold_start_s": statistics.median(cold), "cold_start_s_runs": cold,
+               "startup_phases_s": medians([rep["startup_phases_s"] for rep in reps]),
                "ready_s": statistics.median(ready) if ready else None, "ready_s_runs": ready,
                "first_page_timings_ms": reps[0]["first_page_timings_ms"], "targets": TARGETS}
     summary["met"] = {"tokens_per_s_without_refusal": (summary["tokens_per_s_without_refusal"] or 0)

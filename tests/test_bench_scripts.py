@@ -63,6 +63,10 @@ def test_e2e_bench_smoke(tmp_path):
     summary = result["summary"]
     assert summary["repetitions"] == 1 and summary["cold_start_s"] > 0
     assert summary["ready_s"] > 0  # /ready polled beside the first page answered 200
+    phases = result["reps"][0]["startup_phases_s"]  # read off serve run's log, in order
+    assert list(phases) == ["serve_run_started", "ray_started", "serve_started", "replicas_started", "ready"]
+    assert 0 < phases["serve_run_started"] < phases["ray_started"] < phases["serve_started"] < phases["ready"]
+    assert phases["ready"] < summary["cold_start_s"] + 1  # the log's clock has millisecond stamps
     assert summary["first_page_timings_ms"]["decode_ms"] > 0
     assert summary["tokens_per_s_without_refusal"] > 0  # the defaults carry 4 in flight
     rows = result["concurrency"]
