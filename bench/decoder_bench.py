@@ -417,6 +417,7 @@ def profile_decode(engine, requests: list, n: int, steps: int = 10, top: int = 1
     total = sum(time_of(e) for e in events) or 1
     kernels = sorted(events, key=time_of, reverse=True)[:top]
     return {"steps": steps, "batch": n, "kernel_ms_per_step": total / 1e3 / steps,
+            "kernels_per_step": sum(e.count for e in events) / steps,
             "wall_ms_per_step": 1e3 * wall_s / steps,  # profiled: the host's share is inflated
             "top": [{"name": e.key[:120], "ms_per_step": time_of(e) / 1e3 / steps,
                      "share": time_of(e) / total, "calls_per_step": e.count / steps} for e in kernels]}
@@ -462,11 +463,18 @@ def measure_realistic(opts) -> None:
         print(f"{variant} one page: {rows['one_page']['seconds']:.3f} s", flush=True)
         variants[variant] = rows
         write_realistic(opts, variants, setting)
-        if opts.profile:  # last: a run cut off while profiling keeps its figures
-            rows["profile"] = {str(n): profile_decode(engine, page_requests(specs[max(levels)][:n], tokenizer,
-                                                                            embeds, token_scale), n)
-                               for n in (1, *levels)}  # batch 1: one page alone
-            write_realistic(opts, variants, setting)
+        if opts.profile:  # last, each batch written as it is done: a run cut off keeps what it has
+            rows["profile"] = {}
+            for n in (1, *levels):  # batch 1: one page alone
+                profile = profile_decode(engine, page_requests(specs[max(levels)][:n], tokenizer, embeds,
+                                                               token_scale), n)
+                rows["profile"][str(n)] = profile
+                write_realistic(opts, variants, setting)
+                print(f"{variant} profile b{n}: wall {profile['wall_ms_per_step']:.2f} ms/step, kernels "
+                      f"{profile['kernel_ms_per_step']:.2f} ms in {profile['kernels_per_step']:.0f}", flush=True)
+                for kernel in profile["top"]:
+                    print(f"  {kernel['ms_per_step']:7.3f} ms {kernel['share']:5.1%} x{kernel['calls_per_step']:4.0f} "
+                          f"{kernel['name']}", flush=True)
         del engine
         if device == "cuda":
             torch.cuda.empty_cache()
