@@ -130,6 +130,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="realistic: the workload's seed")
     parser.add_argument("--profile", action="store_true", help="realistic: also profile 10 decode "
                         "steps at batch 1 and at each level (the kernels' shares of a step, in the JSON)")
+    parser.add_argument("--profile-only", action="store_true", help="realistic: only the profile (no "
+                        "timed runs), written as <name>-profile")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, fp32: the realistic "
                         "mode at 2 and 4 in flight, each request asking for 1/100 of its tokens")
     opts = parser.parse_args(argv)
@@ -137,6 +139,7 @@ def main(argv=None):
     opts.name = opts.name or ("decoder-realistic" if realistic else "decoder")
     opts.variants = opts.variants or (["decode_graphs"] if realistic else ["eager", "decode_graphs"])
     opts.repeats = opts.repeats or (1 if opts.smoke else 3)
+    opts.profile = opts.profile or opts.profile_only
     assert opts.smoke or torch.cuda.is_available(), "this benchmark needs a CUDA GPU (or --smoke)"
     if opts.code:
         sys.path.insert(0, os.path.abspath(opts.code))
@@ -451,25 +454,27 @@ def measure_realistic(opts) -> None:
         engine, setup_s = make_engine(model, tokenizer, variant, max(levels), max_len)
         rows = {"setup_s": setup_s, "decode_graphs": engine.decode_graphs is not None,
                 "kv_cache_tokens": engine.cache.capacity_tokens}
-        for n in levels:
+        variants[variant] = rows
+        write = write_profile if opts.profile_only else write_realistic
+        for n in () if opts.profile_only else levels:
             runs = sorted((closed_loop(engine, page_requests(specs[n], tokenizer, embeds, token_scale), n, cost)
                            for _ in range(opts.repeats)), key=lambda r: r["tokens_per_s"])
             rows[str(n)] = {**runs[len(runs) // 2], "repeats_tokens_per_s": [r["tokens_per_s"] for r in runs]}
             print(f"{variant} c{n}: {rows[str(n)]['tokens_per_s']:.0f} tokens/s, bound "
                   f"{rows[str(n)]['bound_tokens_per_s']:.0f}: {rows[str(n)]['fraction_of_bound']:.2f}", flush=True)
-        pages = sorted((one_page(engine, tokenizer, embeds, token_scale, cost) for _ in range(opts.repeats)),
-                       key=lambda r: r["seconds"])
-        rows["one_page"] = {**pages[len(pages) // 2], "repeats_s": [r["seconds"] for r in pages]}
-        print(f"{variant} one page: {rows['one_page']['seconds']:.3f} s", flush=True)
-        variants[variant] = rows
-        write_realistic(opts, variants, setting)
+        if not opts.profile_only:
+            pages = sorted((one_page(engine, tokenizer, embeds, token_scale, cost) for _ in range(opts.repeats)),
+                           key=lambda r: r["seconds"])
+            rows["one_page"] = {**pages[len(pages) // 2], "repeats_s": [r["seconds"] for r in pages]}
+            print(f"{variant} one page: {rows['one_page']['seconds']:.3f} s", flush=True)
+            write_realistic(opts, variants, setting)
         if opts.profile:  # last, each batch written as it is done: a run cut off keeps what it has
             rows["profile"] = {}
             for n in (1, *levels):  # batch 1: one page alone
                 profile = profile_decode(engine, page_requests(specs[max(levels)][:n], tokenizer, embeds,
                                                                token_scale), n)
                 rows["profile"][str(n)] = profile
-                write_realistic(opts, variants, setting)
+                write(opts, variants, setting)
                 print(f"{variant} profile b{n}: wall {profile['wall_ms_per_step']:.2f} ms/step, kernels "
                       f"{profile['kernel_ms_per_step']:.2f} ms in {profile['kernels_per_step']:.0f}", flush=True)
                 for kernel in profile["top"]:
@@ -478,6 +483,22 @@ def measure_realistic(opts) -> None:
         del engine
         if device == "cuda":
             torch.cuda.empty_cache()
+
+
+def write_profile(opts, variants: dict, setting: dict) -> None:
+    """--profile-only: each variant's decode-step profiles, at batch 1 and at each level."""
+    summary = {f"{variant}_b{n}": {key: profile[key] for key in ("wall_ms_per_step", "kernel_ms_per_step",
+                                                                 "kernels_per_step")}
+               for variant, rows in variants.items() for n, profile in rows.get("profile", {}).items()}
+    write_result(opts.out, f"{opts.name}-profile", {
+        "benchmark": "where a decode step's time goes (torch.profiler; no timed runs)",
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if setting["device"] == "cuda" else "cpu",
+        "torch": torch.__version__, "dtype": str(setting["dtype"]).removeprefix("torch."),
+        "weights": "tiny random" if opts.smoke else "random, real DeepSeek-3B-MoE dims",
+        "workload": {"pages": {str(n): describe(setting["specs"][n]) for n in setting["levels"]},
+                     "max_len": setting["max_len"], "seed": opts.seed},
+        "summary": summary, "variants": variants})
 
 
 def write_realistic(opts, variants: dict, setting: dict) -> None:
