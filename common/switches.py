@@ -53,6 +53,9 @@ SWITCHES = {s.name: s for s in (
     Switch("DEEPSEEK_OCR_MOE_KERNEL", "auto", ("auto", "triton", "grouped_mm"),
            "`grouped_mm`: gather, grouped matmuls, index-add (decoder); `auto`: Triton on CUDA in half precision",
            triton=True),
+    Switch("DEEPSEEK_OCR_MOE_FUSED_ROUTING", "1", ON_OFF,
+           "the shared experts as their own MLP and the routing (softmax, top-k, sort) in torch's ops, "
+           "where the Triton MoE kernels run (decoder)", triton=True),
     Switch("DEEPSEEK_OCR_PAGED_ATTENTION", "auto", ("auto", "triton", "gather"),
            "`gather`: each sequence's KV pages gathered, then SDPA (decoder); `auto`: Triton on CUDA", triton=True),
     Switch("DEEPSEEK_OCR_FUSED_PROJECTIONS", "1", ON_OFF,

@@ -170,9 +170,40 @@ class Gate(nn.Module):
 
     def forward(self, x):
         """Greedy top-k of a softmax computed in fp32; weights not renormalised."""
-        scores = F.linear(x.float(), self.weight.float()).softmax(dim=-1)
-        weights, experts = torch.topk(scores, self.top_k, dim=-1)
+        weights, experts = torch.topk(self.logits(x).softmax(dim=-1), self.top_k, dim=-1)
         return weights * self.scaling, experts
+
+    def logits(self, x):
+        return F.linear(x.float(), self.weight.float())
+
+
+def sort_rows(experts, n_experts: int):
+    """experts [N, k] -> (order [N * k]: the (token, choice) pairs sorted by expert, ends
+    [n_experts] int32: where each expert's sorted rows end), as both expert implementations take
+    them."""
+    # Ids below 256 sort as bytes: one radix pass instead of eight for int64 (stable, so
+    # the same permutation).
+    key_dtype = torch.uint8 if n_experts <= 256 else experts.dtype
+    sorted_experts, order = experts.flatten().to(key_dtype).sort(stable=True)
+    # Where each expert's rows end, read off the sorted ids on the device (bincount would
+    # size its output from the data and so wait on the GPU every layer).
+    expert_ids = torch.arange(n_experts, device=experts.device, dtype=key_dtype)
+    return order, torch.searchsorted(sorted_experts, expert_ids, right=True, out_int32=True)
+
+
+def route_reference(logits, top_k: int, scaling: float, n_shared: int):
+    """`triton_route.route` in torch's ops (its reference twin): logits [N, E] fp32 ->
+    (route_weights [N * K], order [N * K], ends [E + n_shared]), K = top_k + n_shared: the gate's
+    picks, then each token's shared experts (ids E.., weight 1), sorted by expert."""
+    n, n_experts = logits.shape
+    weights, experts = torch.topk(logits.softmax(dim=-1), top_k, dim=-1)
+    weights = weights * scaling
+    if n_shared:
+        experts = torch.cat([experts, torch.arange(n_experts, n_experts + n_shared,
+                                                   device=logits.device).expand(n, n_shared)], 1)
+        weights = torch.cat([weights, weights.new_ones(n, n_shared)], 1)
+    order, ends = sort_rows(experts, n_experts + n_shared)
+    return weights.flatten(), order, ends
 
 
 def grouped_mm(x, w, ends):
@@ -208,24 +239,33 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(args.n_experts, args.hidden, args.moe_intermediate))
 
     def sort_rows(self, experts):
-        """experts [N, k] -> (order [N * k]: the (token, choice) pairs sorted by expert, ends [E]
-        int32: where each expert's sorted rows end), as both implementations take them."""
-        # Ids below 256 sort as bytes: one radix pass instead of eight for int64 (stable, so
-        # the same permutation).
-        key_dtype = torch.uint8 if self.gate_up_proj.shape[0] <= 256 else experts.dtype
-        sorted_experts, order = experts.flatten().to(key_dtype).sort(stable=True)
-        # Where each expert's rows end, read off the sorted ids on the device (bincount would
-        # size its output from the data and so wait on the GPU every layer).
-        expert_ids = torch.arange(self.gate_up_proj.shape[0], device=experts.device, dtype=key_dtype)
-        return order, torch.searchsorted(sorted_experts, expert_ids, right=True, out_int32=True)
+        return sort_rows(experts, self.gate_up_proj.shape[0])
+
+    def uses_triton(self, x, top_k: int) -> bool:
+        """Whether this layer's experts run as decoder/triton_moe.py's kernels for x [N, H]."""
+        return self.kernel == "triton" or (
+            self.kernel == "auto" and x.is_cuda and x.element_size() == 2
+            and (self.TRITON_MAX_ROWS is None or x.shape[0] * top_k <= self.TRITON_MAX_ROWS))
+
+    def with_shared(self, x, gate: Gate, shared: MLP):
+        """x [N, H] -> the routed experts' weighted sum plus the shared experts' MLP, in the two
+        Triton kernels: the shared MLP's weights read in place as experts E.. that every token
+        picks with weight 1, and for decode batches the routing in one kernel as well
+        (decoder/triton_route.py). The reference: `forward` + `shared(x)`."""
+        from . import triton_route
+        from .triton_moe import fused_experts
+        n_shared = shared.down_proj.weight.shape[1] // self.down_proj.shape[2]
+        logits = gate.logits(x)
+        route = triton_route.route if x.shape[0] <= triton_route.MAX_TOKENS else route_reference
+        weights, order, ends = route(logits, gate.top_k, gate.scaling, n_shared)
+        return fused_experts(x, weights, order, ends, self.gate_up_proj, self.down_proj, gate.top_k + n_shared,
+                             shared=(shared.gate_up_proj.weight, shared.down_proj.weight))
 
     def forward(self, x, weights, experts):
         """x [N, H]; weights, experts [N, k] -> sum_j weights[:, j] * expert_j(x)."""
         n, k = experts.shape
         order, ends = self.sort_rows(experts)
-        auto = (self.kernel == "auto" and x.is_cuda and x.element_size() == 2
-                and (self.TRITON_MAX_ROWS is None or n * k <= self.TRITON_MAX_ROWS))
-        if self.kernel == "triton" or auto:
+        if self.uses_triton(x, k):
             from .triton_moe import fused_experts  # Triton only where this path is asked for
             return fused_experts(x, weights.flatten(), order, ends, self.gate_up_proj, self.down_proj, k)
         token = order // k
@@ -238,6 +278,11 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
+    # The shared experts inside the routed experts' Triton kernels and a decode step's routing
+    # in one kernel (`Experts.with_shared`) where those kernels run; False: the shared experts
+    # as their own MLP and the routing in torch's ops (the reference twin).
+    fused_routing = switches.on("DEEPSEEK_OCR_MOE_FUSED_ROUTING")
+
     def __init__(self, args: DecoderArgs):
         super().__init__()
         self.gate = Gate(args)
@@ -247,6 +292,8 @@ class MoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        if self.fused_routing and self.experts.uses_triton(flat, self.gate.top_k):
+            return self.experts.with_shared(flat, self.gate, self.shared_experts).view(shape)
         weights, experts = self.gate(flat)
         return self.experts(flat, weights, experts).view(shape) + self.shared_experts(x)
 
@@ -301,6 +348,13 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, MLP)):
                 module.fused = on
+
+    def use_fused_routing(self, on: bool = True) -> None:
+        """The shared experts inside the Triton expert kernels and a decode step's routing in one
+        kernel (the default, where those kernels run), or `False`: the reference twin."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.fused_routing = on
 
     def use_rope_kernel(self, kernel: str = "auto") -> None:
         """RoPE and the KV-cache write in every layer: "torch" (the reference), "triton"

@@ -78,13 +78,29 @@ def _program_tile(ENDS, ORDER, n_cols, E: tl.constexpr, E_POW2: tl.constexpr,
 
 
 @triton.jit
-def _gate_up_kernel(X, W, ENDS, ORDER, OUT, hidden, inter, sx, sw_e, sw_n, so,
-                    TOP_K: tl.constexpr, E: tl.constexpr, E_POW2: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _expert_weights(W, WS, expert, sw_e, sw_n, shared_e, sws_n, ROUTED: tl.constexpr, N_SHARED: tl.constexpr):
+    """Where this expert's weight matrix starts and its row stride: routed experts in W [E, rows,
+    K]; shared ones (ids ROUTED..) in WS, one matrix of every shared expert's rows, expert s's
+    starting `shared_e` elements after expert s-1's (module docstring)."""
+    if N_SHARED > 0:
+        routed = expert < ROUTED
+        return (tl.where(routed, W + expert.to(tl.int64) * sw_e, WS + (expert - ROUTED).to(tl.int64) * shared_e),
+                tl.where(routed, sw_n, sws_n))
+    return W + expert.to(tl.int64) * sw_e, sw_n
+
+
+@triton.jit
+def _gate_up_kernel(X, W, WS, ENDS, ORDER, OUT, hidden, inter, sx, sw_e, sw_n, sws_n, so,
+                    TOP_K: tl.constexpr, E: tl.constexpr, E_POW2: tl.constexpr, ROUTED: tl.constexpr,
+                    N_SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
     expert, rows, row_ok, pair, cols, col_ok = _program_tile(ENDS, ORDER, inter, E, E_POW2, BLOCK_M, BLOCK_N)
     if expert < E:
         token = pair // TOP_K
-        w = W + expert.to(tl.int64) * sw_e
+        # A shared expert s: gate rows s*I.. and up rows (N_SHARED + s)*I.. of the shared MLP's
+        # packed [2 * N_SHARED * I, H]; a routed one: gate rows 0.. and up rows I.. of its own.
+        w, sw_n = _expert_weights(W, WS, expert, sw_e, sw_n, inter * sws_n, sws_n, ROUTED, N_SHARED)
+        up_rows = inter if N_SHARED == 0 else tl.where(expert < ROUTED, inter, inter * N_SHARED)
         gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
@@ -93,7 +109,7 @@ def _gate_up_kernel(X, W, ENDS, ORDER, OUT, hidden, inter, sx, sw_e, sw_n, so,
             a = tl.load(X + token[:, None] * sx + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w_ok = k_ok[:, None] & col_ok[None, :]
             w_gate = tl.load(w + cols[None, :] * sw_n + ks[:, None], mask=w_ok, other=0.0)
-            w_up = tl.load(w + (inter + cols)[None, :] * sw_n + ks[:, None], mask=w_ok, other=0.0)
+            w_up = tl.load(w + (up_rows + cols)[None, :] * sw_n + ks[:, None], mask=w_ok, other=0.0)
             gate = tl.dot(a, w_gate, gate)
             up = tl.dot(a, w_up, up)
         act = gate / (1.0 + tl.exp(-gate)) * up
@@ -102,13 +118,14 @@ def _gate_up_kernel(X, W, ENDS, ORDER, OUT, hidden, inter, sx, sw_e, sw_n, so,
 
 
 @triton.jit
-def _down_kernel(A, W, ENDS, ORDER, ROUTE_W, OUT, inter, hidden, sa, sw_e, sw_n, so,
-                 TOP_K: tl.constexpr, E: tl.constexpr, E_POW2: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ATOMIC_ADD: tl.constexpr):
+def _down_kernel(A, W, WS, ENDS, ORDER, ROUTE_W, OUT, inter, hidden, sa, sw_e, sw_n, sws_n, so,
+                 TOP_K: tl.constexpr, E: tl.constexpr, E_POW2: tl.constexpr, ROUTED: tl.constexpr,
+                 N_SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, ATOMIC_ADD: tl.constexpr):
     expert, rows, row_ok, pair, cols, col_ok = _program_tile(ENDS, ORDER, hidden, E, E_POW2, BLOCK_M, BLOCK_N)
     if expert < E:
-        w = W + expert.to(tl.int64) * sw_e
+        # A shared expert s: columns s*I.. of the shared MLP's down [H, N_SHARED * I].
+        w, sw_n = _expert_weights(W, WS, expert, sw_e, sw_n, inter, sws_n, ROUTED, N_SHARED)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -125,52 +142,65 @@ def _down_kernel(A, W, ENDS, ORDER, ROUTE_W, OUT, inter, hidden, sa, sw_e, sw_n,
             tl.store(OUT + pair[:, None] * so + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _launch_meta(tile: Tile, top_k: int, experts: int) -> dict:
-    return dict(TOP_K=top_k, E=experts, E_POW2=triton.next_power_of_2(experts), BLOCK_M=tile.block_m,
-                BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
-                num_stages=tile.num_stages)
+def _launch_meta(tile: Tile, top_k: int, experts: int, n_shared: int) -> dict:
+    return dict(TOP_K=top_k, E=experts + n_shared, E_POW2=triton.next_power_of_2(experts + n_shared),
+                ROUTED=experts, N_SHARED=n_shared, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 def _row_blocks(rows: int, experts: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m) + experts  # at most one partial block per expert
 
 
-def gate_up_silu(x, order, ends, gate_up, top_k: int, tile: Tile | None = None) -> torch.Tensor:
+def gate_up_silu(x, order, ends, gate_up, top_k: int, tile: Tile | None = None,
+                 shared_gate_up: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU(gate) * up of each sorted (token, choice) row under its expert: [N * top_k, I]."""
     # The module's tiles are read at call time: bench/tune/tune_moe_kernel.py sets them.
     tile = tile or (GATE_UP_TILE if order.numel() < PREFILL_ROWS else PREFILL_GATE_UP_TILE)
     experts, two_inter, hidden = gate_up.shape
     inter, rows = two_inter // 2, order.numel()
+    shared = gate_up if shared_gate_up is None else shared_gate_up
+    n_shared = 0 if shared_gate_up is None else shared.shape[0] // two_inter
     act = torch.empty(rows, inter, device=x.device, dtype=x.dtype)
     launch_kernel(
-        _gate_up_kernel, (_row_blocks(rows, experts, tile.block_m), triton.cdiv(inter, tile.block_n)),
-        x, gate_up, ends, order, act, hidden, inter, x.stride(0), gate_up.stride(0),
-        gate_up.stride(1), act.stride(0), **_launch_meta(tile, top_k, experts))
+        _gate_up_kernel, (_row_blocks(rows, experts + n_shared, tile.block_m), triton.cdiv(inter, tile.block_n)),
+        x, gate_up, shared, ends, order, act, hidden, inter, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), shared.stride(0), act.stride(0), **_launch_meta(tile, top_k, experts, n_shared))
     return act
 
 
 def down_combine(act, order, ends, route_weights, down, tokens: int, top_k: int,
-                 tile: Tile | None = None) -> torch.Tensor:
+                 tile: Tile | None = None, shared_down: torch.Tensor | None = None) -> torch.Tensor:
     """Each sorted row's down projection times its routing weight, summed per token: [N, H] fp32."""
     tile = tile or (DOWN_TILE if order.numel() < PREFILL_ROWS else PREFILL_DOWN_TILE)
     experts, hidden, inter = down.shape
+    shared = down if shared_down is None else shared_down
+    n_shared = 0 if shared_down is None else shared.shape[1] // inter
     if tile.atomic_add:
         out = torch.zeros(tokens, hidden, device=act.device, dtype=torch.float32)
     else:  # every (token, choice) row is stored: nothing to zero
         out = torch.empty(tokens * top_k, hidden, device=act.device, dtype=torch.float32)
     launch_kernel(
-        _down_kernel, (_row_blocks(order.numel(), experts, tile.block_m), triton.cdiv(hidden, tile.block_n)),
-        act, down, ends, order, route_weights, out, inter, hidden, act.stride(0), down.stride(0),
-        down.stride(1), out.stride(0), ATOMIC_ADD=tile.atomic_add, **_launch_meta(tile, top_k, experts))
+        _down_kernel, (_row_blocks(order.numel(), experts + n_shared, tile.block_m), triton.cdiv(hidden, tile.block_n)),
+        act, down, shared, ends, order, route_weights, out, inter, hidden, act.stride(0), down.stride(0),
+        down.stride(1), shared.stride(0), out.stride(0), ATOMIC_ADD=tile.atomic_add,
+        **_launch_meta(tile, top_k, experts, n_shared))
     return out if tile.atomic_add else out.view(tokens, top_k, hidden).sum(1)
 
 
 def fused_experts(x, route_weights, order, ends, gate_up, down, top_k: int,
-                  gate_up_tile: Tile | None = None, down_tile: Tile | None = None) -> torch.Tensor:
+                  gate_up_tile: Tile | None = None, down_tile: Tile | None = None,
+                  shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [N, H]; route_weights [N * top_k] fp32 (flattened (token, choice) order); order [N *
     top_k] the pairs sorted by expert; ends [E] int32 where each expert's sorted rows end;
     gate_up [E, 2I, H]; down [E, H, I] -> sum over each token's choices of weight * expert(x),
-    [N, H] in x's dtype. The tiles are the two kernels' tuning knobs (default: the module's)."""
+    [N, H] in x's dtype. The tiles are the two kernels' tuning knobs (default: the module's).
+    `shared`: the shared experts' MLP weights as stored (gate_up [2 S I, H], gate rows then up
+    rows; down [H, S I]), read in place as experts E..E+S-1 of I columns each: each token's
+    pairs then include one per shared expert (`top_k` counts them; `ends` has E + S entries)."""
     assert x.stride(1) == gate_up.stride(2) == down.stride(2) == 1 and order.numel() == x.shape[0] * top_k
-    act = gate_up_silu(x, order, ends, gate_up, top_k, gate_up_tile)
-    return down_combine(act, order, ends, route_weights, down, x.shape[0], top_k, down_tile).to(x.dtype)
+    gate_up_shared, down_shared = shared or (None, None)
+    assert shared is None or (gate_up_shared.is_contiguous() and down_shared.is_contiguous())
+    act = gate_up_silu(x, order, ends, gate_up, top_k, gate_up_tile, gate_up_shared)
+    return down_combine(act, order, ends, route_weights, down, x.shape[0], top_k, down_tile,
+                        down_shared).to(x.dtype)

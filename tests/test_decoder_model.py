@@ -122,6 +122,55 @@ def test_moe_kernels_equal_the_grouped_matmuls_in_triton_interpreter():
     assert len(cases) == 6 and any(int(rows) > int(block) for _, block, rows, _ in cases), stdout
 
 
+FUSED_ROUTING_IN_INTERPRETER = """
+import torch
+from decoder.config import DecoderArgs
+from decoder.model import MoE, route_reference
+from decoder import triton_route
+torch.manual_seed(0)
+# route vs route_reference: order and ends exact (stable), weights close
+for n, e, k, s in [(1, 8, 3, 2), (5, 8, 3, 0), (37, 64, 6, 2), (64, 66, 6, 2), (16, 8, 8, 1)]:
+    logits = torch.randn(n, e) * 3
+    w, o, en = triton_route.route(logits, k, 1.5, s)
+    rw, ro, ren = route_reference(logits, k, 1.5, s)
+    assert torch.equal(en.long(), ren.long()), (en, ren)
+    assert torch.equal(o.long(), ro.long()), (o, ro)
+    assert torch.allclose(w, rw, atol=1e-6, rtol=1e-5)
+    print("route", n, e, k, s, int(en[-1]))
+args = DecoderArgs(vocab_size=64, hidden=64, n_layers=2, n_heads=1, intermediate=96, n_experts=8,
+                   moe_intermediate=48, top_k=3, n_shared_experts=2, name="moe-kernel-test")
+moe = MoE(args)
+with torch.no_grad():
+    for p in moe.parameters():
+        p.copy_(torch.randn_like(p) * 0.2)
+for n in (1, 7, 40, 70):
+    x = torch.randn(1, n, args.hidden)
+    with torch.no_grad():
+        moe.experts.kernel = "grouped_mm"
+        reference = moe(x)
+        moe.experts.kernel = "triton"
+        fused = moe(x)
+        moe.fused_routing = False
+        separate = moe(x)
+        moe.fused_routing = True
+    print("moe", n, float((fused - reference).abs().max()))
+    assert torch.allclose(fused, reference, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(separate, reference, atol=1e-5, rtol=1e-5)
+"""
+
+
+def test_fused_routing_equals_the_reference_in_triton_interpreter():
+    """decoder/triton_route.py against `route_reference` (the same order and ends: a stable sort;
+    the same weights), and the MoE layer with its shared experts inside the Triton expert kernels
+    (`MoE.fused_routing`, the route kernel up to MAX_TOKENS and torch's routing past it) against
+    the grouped matmuls plus the shared MLP, run by Triton's CPU interpreter (fp32)."""
+    pytest.importorskip("triton")
+    stdout = run_in_triton_interpreter(FUSED_ROUTING_IN_INTERPRETER)
+    lines = [line.split() for line in stdout.splitlines() if line]
+    assert [line[0] for line in lines] == ["route"] * 5 + ["moe"] * 4, stdout
+    assert int(lines[-1][1]) > 64, "a batch past the route kernel's MAX_TOKENS"
+
+
 ROPE_KERNEL_IN_INTERPRETER = """
 import torch
 from decoder.checkpoint import random_decoder
@@ -314,6 +363,39 @@ def test_moe_kernels_equal_the_grouped_matmuls_on_gpu(tokens):
           + f"; triton vs grouped_mm {rel_err(fused, reference):.2e} {rel_err(fused_logits, reference_logits):.2e}")
     (ref_err, ref_logits_err), (err, logits_err) = errs["grouped_mm"], errs["triton"]
     assert err <= 1.1 * ref_err and logits_err <= 1.1 * ref_logits_err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 48, 256])  # 256: past the route kernel's MAX_TOKENS
+def test_fused_routing_is_no_less_accurate_than_the_reference_moe_on_gpu(tokens):
+    """One MoE layer at real dims in bf16 with the shared experts in the Triton kernels and the
+    routing in one kernel (`MoE.fused_routing`) against the same layer with the shared MLP and
+    torch's routing, each measured against the fp32 layer: no less accurate. The route kernel's
+    order and ends equal `route_reference`'s."""
+    from decoder import triton_route
+    from decoder.checkpoint import random_decoder
+    from decoder.model import route_reference
+    args = DecoderArgs()
+    moe32 = random_decoder(args, device="cuda", dtype=torch.float32).model.layers[1].mlp
+    moe = random_decoder(args, device="cuda", dtype=torch.bfloat16).model.layers[1].mlp
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(1, tokens, args.hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    with torch.inference_mode():
+        exact = moe32(x.float())
+        moe.fused_routing = False
+        reference = moe(x)
+        moe.fused_routing = True
+        fused = moe(x)
+        if tokens <= triton_route.MAX_TOKENS:
+            logits = moe.gate.logits(x[0])
+            routed = triton_route.route(logits, args.top_k, args.routed_scaling, args.n_shared_experts)
+            expected = route_reference(logits, args.top_k, args.routed_scaling, args.n_shared_experts)
+            assert torch.equal(routed[1].long(), expected[1]) and torch.equal(routed[2], expected[2])
+            torch.testing.assert_close(routed[0], expected[0])
+    err, ref_err = rel_err(fused, exact), rel_err(reference, exact)
+    print(f"fused routing, {tokens} tokens, vs fp32: {err:.2e} (reference {ref_err:.2e}); "
+          f"vs reference {rel_err(fused, reference):.2e}")
+    assert err <= 1.1 * ref_err
 
 
 @pytest.mark.gpu
