@@ -462,8 +462,11 @@ def measure_realistic(opts) -> None:
             runs = sorted((closed_loop(engine, page_requests(specs[n], tokenizer, embeds, token_scale), n, cost)
                            for _ in range(opts.repeats)), key=lambda r: r["tokens_per_s"])
             rows[str(n)] = {**runs[len(runs) // 2], "repeats_tokens_per_s": [r["tokens_per_s"] for r in runs]}
-            print(f"{variant} c{n}: {rows[str(n)]['tokens_per_s']:.0f} tokens/s, bound "
-                  f"{rows[str(n)]['bound_tokens_per_s']:.0f}: {rows[str(n)]['fraction_of_bound']:.2f}", flush=True)
+            row = rows[str(n)]
+            print(f"{variant} c{n}: {row['tokens_per_s']:.0f} tokens/s, bound {row['bound_tokens_per_s']:.0f}: "
+                  f"{row['fraction_of_bound']:.2f}; decode-only steps {row['decode_only_fraction_of_bound'] or 0:.2f} "
+                  f"(p50 {row['decode_step_ms_p50'] or 0:.2f} ms), prefill share {row['prefill_share_of_window']:.2f}, "
+                  f"mean batch {row['mean_batch']:.0f}, context {row['mean_context_tokens']:.0f}", flush=True)
         if not opts.profile_only:
             pages = sorted((one_page(engine, tokenizer, embeds, token_scale, cost) for _ in range(opts.repeats)),
                            key=lambda r: r["seconds"])
