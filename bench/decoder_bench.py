@@ -118,7 +118,7 @@ def main(argv=None):
                         "(decode_graphs with --workload realistic)",
                         choices=["eager", "decode_graphs", "decode_graphs_gather", "decode_graphs_separate",
                                  "decode_graphs_grouped_mm", "decode_graphs_prefill_grouped_mm",
-                                 "decode_graphs_torch_rope", "decode_graphs_unfused_routing"])
+                                 "decode_graphs_torch_rope", "decode_graphs_unfused_routing", "decode_graphs_torch_norm"])
     parser.add_argument("--code", help="import the decoder package from this directory")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per concurrency "
                         "(median; default 3, --smoke 1)")
@@ -207,6 +207,8 @@ def make_engine(model, tokenizer, variant: str, max_batch: int, max_len: int):
         Experts.TRITON_MAX_ROWS = 4096 if variant == "decode_graphs_prefill_grouped_mm" else None
     if hasattr(model, "use_fused_routing"):
         model.use_fused_routing(variant != "decode_graphs_unfused_routing")
+    if hasattr(model, "use_norm_kernel"):
+        model.use_norm_kernel("torch" if variant == "decode_graphs_torch_norm" else "auto")
     if hasattr(model, "use_rope_kernel"):
         model.use_rope_kernel("torch" if variant == "decode_graphs_torch_rope" else "auto")
     start = time.perf_counter()

@@ -40,6 +40,12 @@ PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
 
 
 class RMSNorm(nn.Module):
+    # The residual add before the norm in the same kernel (`add_and_norm`): "triton"
+    # (decoder/triton_norm.py; on CPU only under Triton's interpreter), "torch" (the add, then
+    # `forward`: the reference twin), "auto" (the default): "triton" for half-precision
+    # activations on CUDA. DEEPSEEK_OCR_NORM_KERNEL=0: "torch".
+    kernel = "auto" if switches.on("DEEPSEEK_OCR_NORM_KERNEL") else "torch"
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -49,6 +55,17 @@ class RMSNorm(nn.Module):
         # One fused kernel on CUDA (fp32 inside) instead of six; the reference rounds to the
         # activation dtype once more before the weight, a difference of one bf16 rounding.
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_and_norm(self, x, delta):
+        """(x + delta, the norm of it): the residual stream and this norm's output; with no
+        delta (before the first layer), (x, the norm of x)."""
+        if delta is None:
+            return x, self(x)
+        if self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda and x.element_size() == 2):
+            from .triton_norm import add_rms_norm
+            return add_rms_norm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self(x)
 
 
 def rope(positions: torch.Tensor, head_dim: int, theta: float, dtype):
@@ -307,9 +324,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden, args.rms_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden, args.rms_eps)
 
-    def forward(self, x, cos, sin, step, mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, self.layer, step, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, cos, sin, step, mask=None):
+        """The residual stream x and the last layer's output not yet added to it (None before
+        the first layer) -> the same after this layer: each add happens in the next norm's
+        kernel (`RMSNorm.add_and_norm`)."""
+        x, h = self.input_layernorm.add_and_norm(x, delta)
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, cos, sin, self.layer, step, mask))
+        return x, self.mlp(h)
 
 
 class Transformer(nn.Module):
@@ -348,6 +369,11 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, MLP)):
                 module.fused = on
+
+    def use_norm_kernel(self, kernel: str = "auto") -> None:
+        """Each residual add and the RMSNorm after it: "torch" (the reference), "triton"
+        (decoder/triton_norm.py) or "auto" (the default: "triton" on CUDA in half precision)."""
+        self._set_kernel(RMSNorm, "kernel", kernel, ("auto", "torch", "triton"))
 
     def use_fused_routing(self, on: bool = True) -> None:
         """The shared experts inside the Triton expert kernels and a decode step's routing in one
@@ -392,10 +418,12 @@ class Decoder(nn.Module):
             if len(prompt_lens) != bsz:
                 raise ValueError(f"prompt_lens has {len(prompt_lens)} rows, the batch {bsz}")
             mask = rswa_mask(t, prompt_lens, self.args.sliding_window, x.device)
+        delta = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, step, mask)
+            x, delta = layer(x, delta, cos, sin, step, mask)
         if last_only:
-            x = x[:, -1:]
+            x, delta = x[:, -1:], delta[:, -1:]
         elif logits_at is not None:  # one position per row ([B]): right-padded prefills
-            x = x[torch.arange(bsz, device=x.device), logits_at][:, None]
-        return self.lm_head(self.model.norm(x))
+            rows = torch.arange(bsz, device=x.device)
+            x, delta = x[rows, logits_at][:, None], delta[rows, logits_at][:, None]
+        return self.lm_head(self.model.norm.add_and_norm(x, delta)[1])

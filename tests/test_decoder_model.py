@@ -171,6 +171,40 @@ def test_fused_routing_equals_the_reference_in_triton_interpreter():
     assert int(lines[-1][1]) > 64, "a batch past the route kernel's MAX_TOKENS"
 
 
+NORM_KERNEL_IN_INTERPRETER = """
+import torch
+from decoder.checkpoint import random_decoder
+from decoder.config import DecoderArgs
+from decoder.triton_norm import add_rms_norm
+torch.manual_seed(0)
+for shape in [(1, 1, 64), (3, 5, 1280), (7, 96)]:  # 1,280: two rows a program, one past the tensor's end
+    x, delta, weight = torch.randn(shape), torch.randn(shape), torch.randn(shape[-1])
+    total, y = add_rms_norm(x, delta, weight, 1e-6)
+    assert torch.equal(total, x + delta)
+    reference = torch.nn.functional.rms_norm(x + delta, (shape[-1],), weight, 1e-6)
+    assert torch.allclose(y, reference, atol=1e-5, rtol=1e-5), float((y - reference).abs().max())
+model = random_decoder(DecoderArgs.tiny(), dtype=torch.float32)
+ids = torch.randint(0, 259, (2, 9))
+with torch.no_grad():
+    model.use_norm_kernel("torch")
+    reference = model(input_ids=ids)
+    model.use_norm_kernel("triton")
+    fused = model(input_ids=ids, last_only=True)
+    fused_at = model(input_ids=ids, logits_at=torch.tensor([3, 8]))
+print(float((fused[:, 0] - reference[:, -1]).abs().max()))
+assert torch.allclose(fused[:, 0], reference[:, -1], atol=1e-5, rtol=1e-5)
+assert torch.allclose(fused_at[:, 0], reference[[0, 1], [3, 8]], atol=1e-5, rtol=1e-5)
+"""
+
+
+def test_norm_kernel_equals_add_then_rms_norm_in_triton_interpreter():
+    """decoder/triton_norm.py (the residual add and the RMSNorm in one kernel), run by Triton's
+    CPU interpreter (fp32), against torch's add then `F.rms_norm`, directly and as the whole
+    model's norms (`RMSNorm.kernel`), with the last position's and chosen positions' logits."""
+    pytest.importorskip("triton")
+    assert float(run_in_triton_interpreter(NORM_KERNEL_IN_INTERPRETER)) < 1e-5
+
+
 ROPE_KERNEL_IN_INTERPRETER = """
 import torch
 from decoder.checkpoint import random_decoder
@@ -396,6 +430,25 @@ def test_fused_routing_is_no_less_accurate_than_the_reference_moe_on_gpu(tokens)
     print(f"fused routing, {tokens} tokens, vs fp32: {err:.2e} (reference {ref_err:.2e}); "
           f"vs reference {rel_err(fused, reference):.2e}")
     assert err <= 1.1 * ref_err
+
+
+@pytest.mark.gpu
+def test_norm_kernel_logits_equal_torch_norms_on_gpu():
+    """Real dims, bf16: the whole model's logits with each residual add in its norm's kernel
+    against torch's add then RMSNorm (the same roundings but the order of fp32 sums; a bf16
+    rounding that goes the other way can flip an expert choice later on, so the bound is the
+    bf16-vs-fp32 one of test_real_dims_bf16_cuda, not zero; a lost residual gives ~1)."""
+    from decoder.checkpoint import random_decoder
+    model = random_decoder(DecoderArgs(), device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, 1000, (64, 1), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    with torch.inference_mode():
+        fused = model(input_ids=ids)
+        model.use_norm_kernel("torch")
+        reference = model(input_ids=ids)
+        model.use_norm_kernel()
+    err = rel_err(fused, reference)
+    print(f"norm kernel vs torch norms, logits: {err:.2e}")
+    assert err <= 3e-2
 
 
 @pytest.mark.gpu
