@@ -232,7 +232,7 @@ class Router:
     @api.get("/ready")
     async def ready(self, request: Request):
         """Readiness: 200 once every tier has loaded its weights and captured its graphs (each
-        answers its `ready` call within a second), else 503 naming the tiers that are not."""
+        answers its `ready` call within half a second), else 503 naming the tiers that are not."""
         refused = self._refuse_without_key(request)
         if refused is not None:
             return refused
