@@ -128,8 +128,9 @@ def main(argv=None):
     parser.add_argument("--levels", default=",".join(map(str, REALISTIC_LEVELS)),
                         help="realistic: sequences in flight, e.g. 64,256")
     parser.add_argument("--seed", type=int, default=0, help="realistic: the workload's seed")
-    parser.add_argument("--profile", action="store_true", help="realistic: also profile 10 decode "
-                        "steps at batch 1 and at each level (the kernels' shares of a step, in the JSON)")
+    parser.add_argument("--profile", action="store_true", help="realistic: also profile one page's "
+                        "prefill and 10 decode steps at batch 1 and at each level (the kernels' shares "
+                        "of a step, in the JSON)")
     parser.add_argument("--profile-only", action="store_true", help="realistic: only the profile (no "
                         "timed runs), written as <name>-profile")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, fp32: the realistic "
@@ -430,6 +431,37 @@ def profile_decode(engine, requests: list, n: int, steps: int = 10, top: int = 1
                      "share": time_of(e) / total, "calls_per_step": e.count / steps} for e in kernels]}
 
 
+def profile_prefill(engine, request, top: int = 15) -> dict:
+    """Where one page's prefill goes (the engine otherwise idle): the step that prefills it
+    under torch.profiler, its wall time against its kernels' sum (the rest is the host's:
+    launches and waits), the top kernels and the host's top ops by their own time; then the
+    request is aborted."""
+    request_id = engine.add(request)
+    device = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device else [])
+    sync()
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        engine.step()  # the prefill, its first token, the first decode step launched
+        sync()
+        wall_s = time.perf_counter() - start
+    engine.abort(request_id)
+    while engine.has_work():
+        engine.step()
+    events = prof.key_averages()
+    kernels = [e for e in events if device and e.device_type == torch.autograd.DeviceType.CUDA
+               and e.device_time_total > 0]
+    host = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total,
+                  reverse=True)
+    return {"prompt_tokens": len(request.prompt_ids), "wall_ms": 1e3 * wall_s,
+            "kernel_ms": sum(e.device_time_total for e in kernels) / 1e3,
+            "kernels": sum(e.count for e in kernels),
+            "top_kernels": [{"name": e.key[:120], "ms": e.device_time_total / 1e3, "calls": e.count}
+                            for e in sorted(kernels, key=lambda e: e.device_time_total, reverse=True)[:top]],
+            "top_host_ops": [{"name": e.key[:120], "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
+                             for e in host[:top]]}
+
+
 def measure_realistic(opts) -> None:
     if opts.smoke:
         args, device, dtype, token_scale, levels = DecoderArgs.tiny(), "cpu", torch.float32, 100, (2, 4)
@@ -477,6 +509,14 @@ def measure_realistic(opts) -> None:
             write_realistic(opts, variants, setting)
         if opts.profile:  # last, each batch written as it is done: a run cut off keeps what it has
             rows["profile"] = {}
+            page = GenerationRequest(build_prompt(tokenizer, DEFAULT_PROMPT, [ONE_PAGE["image_tokens"]]),
+                                     [embeds[ONE_PAGE["image_tokens"]]], SamplingParams(max_tokens=8, ignore_eos=True))
+            rows["profile_prefill"] = prefill = profile_prefill(engine, page)
+            write(opts, variants, setting)
+            print(f"{variant} profile prefill of {prefill['prompt_tokens']} tokens: wall {prefill['wall_ms']:.1f} ms, "
+                  f"kernels {prefill['kernel_ms']:.1f} ms in {prefill['kernels']}", flush=True)
+            for op in prefill["top_host_ops"][:8]:
+                print(f"  host {op['self_ms']:7.3f} ms x{op['calls']:4d} {op['name']}", flush=True)
             for n in (1, *levels):  # batch 1: one page alone
                 profile = profile_decode(engine, page_requests(specs[max(levels)][:n], tokenizer, embeds,
                                                                token_scale), n)

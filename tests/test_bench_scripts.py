@@ -120,7 +120,7 @@ def test_serve_bench_smoke(tmp_path):
 def test_decoder_bench_realistic_smoke(tmp_path):
     """Pages' contexts (their image tokens and lengths) through the engine, n in flight, against
     the bound from the weights touched and the live KV cache at the copy bandwidth measured; the
-    decode-step profiles at batch 1 and each level."""
+    decode-step profiles at batch 1 and each level, and one page's prefill profiled."""
     result = run_smoke("decoder_bench.py", "decoder-realistic", tmp_path, "--profile")
     run = result["variants"]["decode_graphs"]
     for n in (2, 4):
@@ -137,6 +137,8 @@ def test_decoder_bench_realistic_smoke(tmp_path):
         profile = run["profile"][str(n)]
         assert profile["batch"] == n and profile["wall_ms_per_step"] > 0 and profile["kernel_ms_per_step"] > 0
         assert 0 < sum(k["share"] for k in profile["top"]) <= 1 + 1e-9
+    prefill = run["profile_prefill"]  # one page's prefill: on CPU, host ops only
+    assert prefill["prompt_tokens"] > 903 and prefill["wall_ms"] > 0 and prefill["top_host_ops"]
     bound = result["bound"]
     weights = bound["weights_bytes"]
     vocab = 129280  # the tiny model keeps the real vocabulary
