@@ -63,6 +63,9 @@ SWITCHES = {s.name: s for s in (
     Switch("DEEPSEEK_OCR_SPLIT_FLOW_ATTENTION", "0", ON_OFF,
            "DeepSeek-OCR 2's Qwen2 attention in one SDPA with its boolean mask; 1: two mask-free "
            "SDPAs (image rows; query rows causal lower-right), off until measured on a GPU"),
+    Switch("DEEPSEEK_OCR_PREFILL_BEHIND_DECODE", "1", ON_OFF,
+           "while sequences decode, a new prefill runs first and its first tokens are picked at "
+           "once, then the decode step (decoder), instead of behind the decode step, picked a step later"),
     Switch("DEEPSEEK_OCR_RSWA_FREE_PAGES", "1", ON_OFF,
            "Unlimited-OCR's R-SWA gap (past the prompt, before the window) kept in its KV pages "
            "until the sequence leaves (the kernel skips it, the reference masks it)"),

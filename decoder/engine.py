@@ -14,7 +14,10 @@
      a finished sequence leaves and the last running one moves into its row of the page table
      (rows stay compact: the decode step's rows are 0..S-1).
 Steps are pipelined: step 2 is launched at the end of `step()` and picked at the start of the
-next one, so the host's per-token work of step 3 runs while the GPU decodes. The KV cache is a
+next one, so the host's per-token work of step 3 runs while the GPU decodes. While sequences
+run, a step launches their decode step before the new group's prefill (`prefill_behind_decode`):
+the host launches the prefill's kernels while the GPU decodes, and the group's first tokens are
+picked with that decode step's, at the start of the next step. The KV cache is a
 budget of pages (decoder/kv_cache.py): admission waits for free pages, and a sequence that
 finds none preempts the newest (resumed later by one prefill of its context).
 Decoding of each sequence does not depend on its neighbours: rows never attend to each other,
@@ -32,6 +35,8 @@ import itertools
 
 import torch
 
+from common import switches
+
 from .kv_cache import KVCache, cache_pages
 from .model import Decoder
 from .output import OutputProcessor
@@ -44,6 +49,15 @@ __all__ = ["MAX_TEMPERATURE", "Delta", "GenerationEngine", "GenerationRequest", 
 
 
 class GenerationEngine:
+    # While sequences decode, a step launches their decode step first and a new group's prefill
+    # behind it, and picks the group's first tokens with that step's at the start of the next:
+    # the host launches the prefill's eager kernels while the GPU decodes. (On an H100 a step
+    # with a page's prefill took ~23 ms more than a decode step at 256 sequences, where the
+    # prefill's bytes and FLOPs take ~4 ms: the host's launches are the likely rest, not yet
+    # profiled.) False (DEEPSEEK_OCR_PREFILL_BEHIND_DECODE=0): the prefill first, its tokens
+    # picked at once, then the decode step (the reference twin).
+    prefill_behind_decode = switches.on("DEEPSEEK_OCR_PREFILL_BEHIND_DECODE")
+
     def __init__(self, model: Decoder, tokenizer, max_batch: int = 256, max_len: int | None = None,
                  decode_graphs: bool | None = None, prefill_tokens: int = 16384,
                  kv_cache_gb: float | None = None):
@@ -66,6 +80,9 @@ class GenerationEngine:
         # (its rows' sequences, its logits). Sequences that finished while it ran leave once
         # it is done (`Scheduler.leave_retired`): the page table must not change under it.
         self._inflight: tuple[list[Sequence], torch.Tensor] | None = None
+        # A prefill launched behind that decode step (`prefill_behind_decode`): (its fresh
+        # sequences, its logits, their rows in them or None for all), picked with it.
+        self._prefilled: tuple[list[Sequence], torch.Tensor, list[int] | None] | None = None
         self._ids = itertools.count()
         self.tokens_generated = 0  # since the engine started (its deployment's metrics read it)
 
@@ -138,7 +155,7 @@ class GenerationEngine:
     def reset(self) -> None:
         """Drop every request (after a failed step, whose state cannot be trusted)."""
         self.scheduler.clear()
-        self._inflight = None
+        self._inflight = self._prefilled = None
         self.cache.clear()
 
     def abort(self, request_id: str) -> Delta | None:
@@ -163,8 +180,9 @@ class GenerationEngine:
     @torch.inference_mode()
     def step(self) -> list[Delta]:
         """One iteration, pipelined with the GPU: pick the tokens of the decode step launched
-        last time (waiting for it), admit and prefill, launch the next decode step, and only
-        then do the per-token host work (n-gram state, detokenising, stop strings, deltas)
+        last time (waiting for it; and of the prefill behind it), admit and prefill, launch the
+        next decode step (while sequences run: the decode step, then the prefill behind it), and
+        only then do the per-token host work (n-gram state, detokenising, stop strings, deltas)
         while that step runs."""
         self.prepare()
         scheduler = self.scheduler
@@ -173,7 +191,14 @@ class GenerationEngine:
             rows, logits = self._inflight
             self._inflight = None
             picked += self._take(rows, logits)  # waits for the step: the table may change now
+        if self._prefilled is not None:  # the prefill behind it: its sequences' first tokens
+            seqs, logits, rows = self._prefilled
+            self._prefilled = None
+            picked += self._take(seqs, logits if rows is None else logits[rows])
         scheduler.leave_retired()
+        if scheduler.running and self.prefill_behind_decode:
+            self._decode_then_prefill()
+            return self.output.report(picked, self._retire)
         decoding = bool(scheduler.running)
         while (scheduler.preempted or scheduler.waiting) and len(scheduler.running) < self.max_batch:
             group = scheduler.next_prefill_group()
@@ -198,6 +223,34 @@ class GenerationEngine:
             rows = list(scheduler.running)
             self._inflight = (rows, self.runner.decode(rows))  # launched; picked by the next step()
         return self.output.report(picked, self._retire)
+
+    def _decode_then_prefill(self) -> None:
+        """`prefill_behind_decode`: the running sequences' pages for their next token, a group
+        placed after their rows, their decode step launched, then the group's prefill behind it
+        (one forward); its fresh sequences' first tokens are picked at the next step."""
+        scheduler = self.scheduler
+        scheduler.grow()  # before placing a group: preempting never reaches its rows
+        rows = list(scheduler.running)
+        group = []
+        if (scheduler.preempted or scheduler.waiting) and len(rows) < self.max_batch:
+            group = scheduler.next_prefill_group()
+            scheduler.place(group)  # before the decode step's table copy, which then holds its rows
+        # A decode graph's padded rows may write position 0 of the group's first pages; the
+        # prefill behind it on the same stream writes them again.
+        self._inflight = (rows, self.runner.decode(rows))
+        if not group:
+            return
+        try:
+            logits = self.runner.prefill(group)
+        except torch.cuda.OutOfMemoryError:
+            if len(group) == 1:  # nothing smaller to try: the step fails as any other
+                raise
+            scheduler.unadmit(group)  # its rows are past the decode step's
+            self.runner.empty_cache()
+            return
+        fresh = [row for row, seq in enumerate(group) if not seq.tokens]  # resumed ones hold theirs
+        if fresh:  # their rows of the logits are taken at the pick (indexing by a list copies it to the device)
+            self._prefilled = ([group[row] for row in fresh], logits, None if len(fresh) == len(group) else fresh)
 
     def _take(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, int, str | None]]:
         """Pick each live sequence's next token from its logits row (the step's one host sync);

@@ -21,6 +21,14 @@ from .sequence import Sequence
 from .tokenizer import IMAGE_TOKEN_ID
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device` without the host waiting: a host tensor goes through pinned memory
+    (the caching host allocator keeps it until the copy has run)."""
+    if device.type != "cuda" or tensor.device.type == "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 class ModelRunner:
     def __init__(self, model: Decoder, cache: KVCache, max_batch: int, max_len: int,
                  decode_graphs: bool | None = None):
@@ -95,13 +103,18 @@ class ModelRunner:
         for row, context in enumerate(contexts):
             ids[row, :lengths[row]] = torch.tensor(context)
             prompt[row, :len(seqs[row].request.prompt_ids)] = True
-        ids = ids.to(self.model.device)
-        embeds = self.model.embed(ids)
+        # Every input reaches the GPU by an asynchronous copy and no step waits on the device
+        # (a blocking copy or a boolean-mask write would wait for a decode step launched before
+        # this prefill: `GenerationEngine.prefill_behind_decode`). Placeholders are found on the
+        # host, in row-major order, as the images are concatenated.
+        device = self.model.device
+        embeds = self.model.embed(to_device(ids, device))
         images = [e for seq in seqs for e in seq.request.image_embeds]
-        if images:  # placeholders in row-major order, as the images are concatenated
-            images = torch.cat([e.to(embeds.device, embeds.dtype) for e in images])
-            embeds[(ids == IMAGE_TOKEN_ID) & prompt.to(ids.device)] = images
-        last = torch.tensor(lengths, device=self.model.device) - 1
+        if images:
+            placeholders = ((ids == IMAGE_TOKEN_ID) & prompt).flatten().nonzero()[:, 0]
+            images = torch.cat([to_device(e, device) for e in images]).to(embeds.dtype)
+            embeds.view(-1, embeds.shape[-1]).index_copy_(0, to_device(placeholders, device), images)
+        last = to_device(torch.tensor(lengths) - 1, device)
         # R-SWA: a resumed sequence's context holds generated tokens, which see only the prompt
         # and their last `window` (a fresh prompt's pass is plain causal: no mask is built).
         return self.model(inputs_embeds=embeds, step=CacheStep(self.cache, slot=slot), logits_at=last,

@@ -1,5 +1,6 @@
 """Continuous batching, KV cache, stop conditions and streaming of the generation engine (CPU)."""
 import asyncio
+import collections
 
 import pytest
 import torch
@@ -369,6 +370,29 @@ def test_a_burst_of_requests_interleaves_with_running_decodes(model, tokenizer):
     assert running == [4, 6]  # two prompts per group (12 tokens), one group per step
 
 
+def test_a_prefill_behind_the_decode_step_gives_its_first_token_a_step_later(model, tokenizer, monkeypatch):
+    """With sequences running, a step launches their decode step, then a new group's prefill
+    behind it; the group's first tokens come with the next step's picks
+    (`GenerationEngine.prefill_behind_decode`). Every generation equals the reference order's
+    (the prefill first and picked at once: DEEPSEEK_OCR_PREFILL_BEHIND_DECODE=0)."""
+    generations = {}
+    for behind in (True, False):
+        monkeypatch.setattr(GenerationEngine, "prefill_behind_decode", behind)
+        engine = GenerationEngine(model, tokenizer, max_batch=3, max_len=2048)
+        generations[behind] = [(d.token_ids, d.text, d.finish_reason) for d in engine.generate(requests(tokenizer))]
+    assert generations[True] == generations[False]
+    monkeypatch.setattr(GenerationEngine, "prefill_behind_decode", True)
+    engine = GenerationEngine(model, tokenizer, max_batch=4, max_len=2048)
+    first, later = (make_request(tokenizer, text, (), 20, i, ngram=OFF) for i, text in enumerate(("hello", "world")))
+    engine.add(first)
+    assert [d.request_id for d in engine.step()] == [first.request_id]  # idle: picked at once
+    engine.add(later)
+    assert [d.request_id for d in engine.step()] == [first.request_id]  # later's prefill behind
+    assert len(engine.running) == 2 and not engine.running[1].tokens
+    assert sorted(d.request_id for d in engine.step()) == sorted([first.request_id, later.request_id])
+    assert [len(s.tokens) for s in engine.running] == [3, 1]
+
+
 def test_decode_graphs_need_bf16_cuda(model, tokenizer):
     with pytest.raises(ValueError, match="bf16 model on CUDA"):
         GenerationEngine(model, tokenizer, max_batch=2, max_len=64, decode_graphs=True)
@@ -527,6 +551,38 @@ def test_a_prefill_out_of_gpu_memory_is_retried_in_smaller_groups(model, tokeniz
     prompt = len(fresh[0].prompt_ids)
     assert failures == [4] and engine.prefill_tokens == 2 * prompt  # then two groups of two
     assert [d.token_ids for d in got] == expected
+    assert engine.cache.free_pages == engine.cache.num_pages
+
+
+def test_a_prefill_behind_a_decode_step_out_of_gpu_memory_is_retried(model, tokenizer, monkeypatch):
+    """The same when the failed prefill was launched behind running sequences' decode step: the
+    group goes back, the running sequence keeps decoding, every request completes as without
+    the failure."""
+    batch = [make_request(tokenizer, "hello " * 4, (), 6, i, ngram=OFF) for i in range(4)]
+    expected = [d.token_ids for d in GenerationEngine(model, tokenizer, max_batch=4, max_len=256).generate(batch)]
+    monkeypatch.setattr(GenerationEngine, "prefill_behind_decode", True)
+    engine = GenerationEngine(model, tokenizer, max_batch=4, max_len=256, prefill_tokens=4096)
+    forward, failures = model.forward, []
+
+    def flaky(*args, **kwargs):
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is not None and embeds.shape[0] > 2:
+            failures.append(embeds.shape[0])
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 468.00 MiB")
+        return forward(*args, **kwargs)
+    monkeypatch.setattr(model, "forward", flaky)
+    fresh = [make_request(tokenizer, "hello " * 4, (), 6, i, ngram=OFF) for i in range(4)]
+    engine.add(fresh[0])
+    tokens = collections.defaultdict(list)
+    for delta in engine.step():  # idle: the first request alone, then it decodes
+        tokens[delta.request_id] += delta.token_ids
+    for request in fresh[1:]:
+        engine.add(request)
+    while engine.has_work():
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.token_ids
+    assert failures == [3]  # then one group of two, then one
+    assert [tokens[r.request_id] for r in fresh] == expected
     assert engine.cache.free_pages == engine.cache.num_pages
 
 
