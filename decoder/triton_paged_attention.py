@@ -34,6 +34,17 @@ from .pages import PAGE_TOKENS
 # Tuned on an H200 (bench/tune/tune_paged_attention.py; results in bench/results/): tokens per loop
 # step, the most tokens one program walks, warps, pipeline stages.
 BLOCK_T, SPLIT_TOKENS, NUM_WARPS, NUM_STAGES = 32, 256, 2, 2
+# Fewer tokens a program for a few rows: at one row a decode step launched 10 heads x a few
+# live splits, each walking 256 tokens in 8 dependent steps, and its split kernel took 20 us a
+# layer where its bytes take ~2 (H100 profile, decoder-realistic-fusions-h100-2026-12-05). Rows
+# up to the first number walk at most the second's tokens. Set by that count, not yet tuned: the
+# tuner's timings were of eager launches, which hide it.
+SMALL_BATCH_SPLITS = ((4, 64), (16, 128))
+
+
+def split_tokens_for(rows: int) -> int:
+    """The most tokens one program walks, for a decode step of `rows` rows."""
+    return next((split for most, split in SMALL_BATCH_SPLITS if rows <= most), SPLIT_TOKENS)
 
 
 @triton.jit
@@ -120,15 +131,16 @@ def _combine_kernel(O_PART, ML_PART, POS, OUT, n_splits, split_tokens,
 
 
 def paged_decode_attention(q, k_pages, v_pages, table, positions, kv_len: int,
-                           block_t: int = BLOCK_T, split_tokens: int = SPLIT_TOKENS,
+                           block_t: int = BLOCK_T, split_tokens: int | None = None,
                            num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
                            prompt_lens=None, window: int | None = None):
     """q [S, H, d]; k_pages, v_pages [pages, H, PAGE_TOKENS, d] (one layer); table [S, >=n] int32
     page ids; positions [S] (row s attends to its positions 0..positions[s] < kv_len) ->
     [S, H, d] in q's dtype. R-SWA: `window` and `prompt_lens` [S] (row s then attends to
     0..prompt_lens[s]-1 and its last `window` positions only). The other arguments are the
-    tuning knobs (module defaults)."""
+    tuning knobs (module defaults; `split_tokens` by default from the rows: split_tokens_for)."""
     s, h, d = q.shape
+    split_tokens = split_tokens or split_tokens_for(s)
     assert k_pages.shape[-2:] == (PAGE_TOKENS, d) and k_pages.stride(-1) == 1 and q.stride(-1) == 1
     assert split_tokens % block_t == 0
     sliding = window is not None

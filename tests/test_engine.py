@@ -490,24 +490,26 @@ def test_paged_kernel_equals_the_gathered_reference_in_triton_interpreter():
     code = """
 import torch
 from decoder.kv_cache import PAGE_TOKENS, gathered_decode_attention
-from decoder.triton_paged_attention import paged_decode_attention
+from decoder.triton_paged_attention import paged_decode_attention, split_tokens_for
 torch.manual_seed(0)
 heads, d, pages = 3, 32, 40
 k, v = torch.randn(pages, heads, PAGE_TOKENS, d), torch.randn(pages, heads, PAGE_TOKENS, d)
+# split None: the module's choice for that many rows (split_tokens_for: 64 tokens at one row)
 for rows, kv_len, positions, block, split in [(1, 1024, [1023], 64, 128), (4, 300, [0, 63, 64, 299], 32, 64),
-                                             (6, 300, None, 128, 512)]:
+                                             (6, 300, None, 128, 512), (1, 1024, [700], 32, None)]:
     table = torch.stack([torch.randperm(pages - 1)[:16] + 1 for _ in range(rows)]).int()
     p = torch.tensor(positions) if positions else torch.randint(0, kv_len, (rows,))
     q = torch.randn(rows, heads, 1, d)
     ref = gathered_decode_attention(q, k, v, table, p, kv_len)
     out = paged_decode_attention(q[:, :, 0], k, v, table, p, kv_len, block_t=block,
                                  split_tokens=split).view(rows, 1, heads * d)
-    print(rows, -(-kv_len // split), float((out - ref).abs().max()))
+    print(rows, -(-kv_len // (split or split_tokens_for(rows))), float((out - ref).abs().max()))
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
 """
     stdout = run_in_triton_interpreter(code, timeout=300)
     splits = [int(line.split()[1]) for line in stdout.split("\n") if line]
-    assert splits[0] > 1 and splits[-1] == 1, stdout  # both the split and the one-split path
+    assert splits[0] > 1 and splits[2] == 1, stdout  # both the split and the one-split path
+    assert splits[3] == 16, stdout  # one row: 64 tokens a program
 
 
 @pytest.mark.gpu
