@@ -118,7 +118,8 @@ def main(argv=None):
                         "(decode_graphs with --workload realistic)",
                         choices=["eager", "decode_graphs", "decode_graphs_gather", "decode_graphs_separate",
                                  "decode_graphs_grouped_mm", "decode_graphs_prefill_grouped_mm",
-                                 "decode_graphs_torch_rope", "decode_graphs_unfused_routing", "decode_graphs_torch_norm"])
+                                 "decode_graphs_torch_rope", "decode_graphs_unfused_routing",
+                                 "decode_graphs_torch_norm"])
     parser.add_argument("--code", help="import the decoder package from this directory")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per concurrency "
                         "(median; default 3, --smoke 1)")

@@ -531,35 +531,13 @@ def test_paged_kernel_equals_the_gathered_reference_on_gpu(rows, kv_len):
     assert err < 1e-2
 
 
-def test_a_prefill_out_of_gpu_memory_is_retried_in_smaller_groups(model, tokenizer, monkeypatch):
+@pytest.mark.parametrize("behind_decode", [False, True], ids=["idle", "behind-decode"])
+def test_a_prefill_out_of_gpu_memory_is_retried_in_smaller_groups(model, tokenizer, monkeypatch, behind_decode):
     """A CUDA OOM in a batched prefill (seen under load when the KV cache left too little room)
     puts the group back and halves the prefill budget to below the failed forward: every
     request still completes, equal to a run without the failure, instead of the step failing
-    every request in flight."""
-    batch = [make_request(tokenizer, "hello " * 4, (), 6, i, ngram=OFF) for i in range(4)]
-    expected = [d.token_ids for d in GenerationEngine(model, tokenizer, max_batch=4, max_len=256).generate(batch)]
-    engine = GenerationEngine(model, tokenizer, max_batch=4, max_len=256, prefill_tokens=4096)
-    forward, failures = model.forward, []
-
-    def flaky(*args, **kwargs):
-        embeds = kwargs.get("inputs_embeds")
-        if embeds is not None and embeds.shape[0] > 2:
-            failures.append(embeds.shape[0])
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 468.00 MiB")
-        return forward(*args, **kwargs)
-    monkeypatch.setattr(model, "forward", flaky)
-    fresh = [make_request(tokenizer, "hello " * 4, (), 6, i, ngram=OFF) for i in range(4)]
-    got = engine.generate(fresh)
-    prompt = len(fresh[0].prompt_ids)
-    assert failures == [4] and engine.prefill_tokens == 2 * prompt  # then two groups of two
-    assert [d.token_ids for d in got] == expected
-    assert engine.cache.free_pages == engine.cache.num_pages
-
-
-def test_a_prefill_behind_a_decode_step_out_of_gpu_memory_is_retried(model, tokenizer, monkeypatch):
-    """The same when the failed prefill was launched behind running sequences' decode step: the
-    group goes back, the running sequence keeps decoding, every request completes as without
-    the failure."""
+    every request in flight. `behind_decode`: the failed prefill was launched behind a running
+    sequence's decode step (`prefill_behind_decode`), which keeps decoding."""
     batch = [make_request(tokenizer, "hello " * 4, (), 6, i, ngram=OFF) for i in range(4)]
     expected = [d.token_ids for d in GenerationEngine(model, tokenizer, max_batch=4, max_len=256).generate(batch)]
     monkeypatch.setattr(GenerationEngine, "prefill_behind_decode", True)
@@ -574,16 +552,17 @@ def test_a_prefill_behind_a_decode_step_out_of_gpu_memory_is_retried(model, toke
         return forward(*args, **kwargs)
     monkeypatch.setattr(model, "forward", flaky)
     fresh = [make_request(tokenizer, "hello " * 4, (), 6, i, ngram=OFF) for i in range(4)]
-    engine.add(fresh[0])
     tokens = collections.defaultdict(list)
-    for delta in engine.step():  # idle: the first request alone, then it decodes
-        tokens[delta.request_id] += delta.token_ids
-    for request in fresh[1:]:
+    for request in fresh:
         engine.add(request)
+        if behind_decode and request is fresh[0]:
+            for delta in engine.step():  # idle: the first request alone, then it decodes
+                tokens[delta.request_id] += delta.token_ids
     while engine.has_work():
         for delta in engine.step():
             tokens[delta.request_id] += delta.token_ids
-    assert failures == [3]  # then one group of two, then one
+    failed = 3 if behind_decode else 4  # the rows of the forward that failed
+    assert failures == [failed] and engine.prefill_tokens == failed * len(fresh[0].prompt_ids) // 2
     assert [tokens[r.request_id] for r in fresh] == expected
     assert engine.cache.free_pages == engine.cache.num_pages
 
