@@ -119,7 +119,7 @@ def main(argv=None):
                         choices=["eager", "decode_graphs", "decode_graphs_gather", "decode_graphs_separate",
                                  "decode_graphs_grouped_mm", "decode_graphs_prefill_grouped_mm",
                                  "decode_graphs_torch_rope", "decode_graphs_unfused_routing",
-                                 "decode_graphs_torch_norm"])
+                                 "decode_graphs_torch_norm", "decode_graphs_prefill_first"])
     parser.add_argument("--code", help="import the decoder package from this directory")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per concurrency "
                         "(median; default 3, --smoke 1)")
@@ -199,6 +199,8 @@ def make_engine(model, tokenizer, variant: str, max_batch: int, max_len: int):
                               decode_graphs=graphs)
     if variant == "decode_graphs_gather":
         engine.cache.kernel = "gather"  # before the first step captures the graphs
+    if hasattr(engine, "prefill_behind_decode"):  # the old order: prefill, pick, then decode
+        engine.prefill_behind_decode = variant != "decode_graphs_prefill_first"
     # Older code (--code) has no packed projections to unpack.
     if hasattr(model, "use_fused_projections"):
         model.use_fused_projections(variant != "decode_graphs_separate")
