@@ -324,7 +324,9 @@ def closed_loop(engine, requests: list, n: int, cost: StepCost) -> dict:
     figures are over the steps from the first finish to the last submission (n in flight
     throughout; prefills included), and over the decode-only steps among them:
     `fraction_of_bound` = the time the steps' bytes take at the measured bandwidth / their wall
-    time."""
+    time. With the engine's `prefill_behind_decode` a prefill's device time is waited for at
+    the start of the next step, which may be a decode-only one: the window's figures are the
+    comparable ones across the two orders."""
     pending = list(reversed(requests))
     for _ in range(min(n, len(pending))):
         engine.add(pending.pop())
