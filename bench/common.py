@@ -74,6 +74,26 @@ def graph_replay_ms(fn, iters: int) -> float:
     return ms
 
 
+def profile_kernels(fn, top: int = 20) -> dict:
+    """`fn()` once under torch.profiler (after one call unprofiled): the GPU kernels it ran by
+    total time, as ms, shares of the kernels' sum and calls, and the call's wall time."""
+    fn()
+    sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        fn()
+        sync()
+        wall_s = time.perf_counter() - start
+    kernels = [e for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
+    total = sum(e.device_time_total for e in kernels) or 1
+    return {"wall_ms": 1e3 * wall_s, "kernel_ms": total / 1e3, "kernels": sum(e.count for e in kernels),
+            "top": [{"name": e.key[:120], "ms": e.device_time_total / 1e3, "share": e.device_time_total / total,
+                     "calls": e.count}
+                    for e in sorted(kernels, key=lambda e: e.device_time_total, reverse=True)[:top]]}
+
+
 def rel_err(a, b) -> float:
     """|a - b| / |b|, in float64 (the tests' error measure too)."""
     return ((a.double() - b.double()).norm() / b.double().norm()).item()

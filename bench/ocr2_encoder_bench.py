@@ -2,7 +2,7 @@
 transformers' eager `deepseek_ocr2` vision tower with the same weights, on one GPU, in one
 process.
 
-    python bench/ocr2_encoder_bench.py [--out bench/results] [--iters 20]
+    python bench/ocr2_encoder_bench.py [--out bench/results] [--iters 20] [--profile 1]
 
 Real dims, random weights, bf16: one released-layout checkpoint is written first and loaded by
 both (ours by `load_encoder`, theirs by transformers' own `from_pretrained`, which maps the
@@ -16,7 +16,9 @@ excluded on both sides):
     with graphs of the split causal-flow attention (DEEPSEEK_OCR_SPLIT_FLOW_ATTENTION's path);
   - MFU against the measured bf16 peak (encoder/flops.py counts only the attention the mask
     allows); graph memory and capture time;
-  - our sequences against theirs (rel error, bf16).
+  - our sequences against theirs (rel error, bf16);
+  - with --profile 1, where one page (graphs) and 8 pages (eager) spend their GPU time (top
+    kernels).
 Writes `ocr2-encoder-<date>.json` with a top-level `summary`.
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import options, rel_err, wall_ms, write_result  # noqa: E402
+from bench.common import options, profile_kernels, rel_err, wall_ms, write_result  # noqa: E402
 from bench.graph_bench import PEAK_TFLOPS, SPEC_TFLOPS, image  # noqa: E402
 from encoder import DEEPSEEK_OCR_2, DualPathEncoder, EncoderV2Args, load_encoder, preprocess  # noqa: E402
 from encoder.checkpoint import write_random_checkpoint  # noqa: E402
@@ -39,6 +41,7 @@ from encoder.views import normalize  # noqa: E402
 
 PAGE = (1191, 1684)
 BATCHES = (1, 8, 16, 32)
+PROFILED = {1: "graphs", 8: "eager"}  # --profile: the engine profiled at these batches
 # Issue 37: >= 3x the eager reference's pages/s batched, >= 45% MFU, one page <= 12 ms.
 TARGETS = {"speedup_vs_transformers": 3.0, "best_mfu": 0.45, "page_b1_ms": 12.0}
 
@@ -53,7 +56,7 @@ def theirs_encode(model, global_views, crops, crops_per_image):
 
 
 def main(argv=None):
-    opts = options(argv, iters=20)
+    opts = options(argv, iters=20, profile=0)
     from tests.reference_ocr2 import deepseek_ocr2_model
     args = EncoderV2Args()
     workdir = tempfile.mkdtemp(prefix="ocr2-bench-")
@@ -112,6 +115,16 @@ def main(argv=None):
         results[batch] = row
         print(f"batch {batch}: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                                              for k, v in row.items()), flush=True)
+        if opts.profile and batch in PROFILED:
+            path = PROFILED[batch]
+            with torch.inference_mode():
+                profile = profile_kernels(lambda: (engine if path == "graphs" else eager).encode(staged))
+            row[f"{path}_profile"] = profile
+            print(f"{path} batch {batch} profile: wall {profile['wall_ms']:.1f} ms, kernels "
+                  f"{profile['kernel_ms']:.1f} ms in {profile['kernels']}", flush=True)
+            for kernel in profile["top"]:
+                print(f"  {kernel['ms']:8.2f} ms {kernel['share']:5.1%} x{kernel['calls']:5d} {kernel['name']}",
+                      flush=True)
 
     best = max(BATCHES[1:], key=lambda b: results[b]["ours_graphs_pages_per_s"])
     best_reference = max(results[b].get("transformers_batched_pages_per_s", 0) for b in BATCHES[1:])
