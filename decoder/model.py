@@ -58,13 +58,15 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x, delta):
         """(x + delta, the norm of it): the residual stream and this norm's output; with no
-        delta (before the first layer), (x, the norm of x)."""
+        delta (before the first layer), (x, the norm of x). `delta` in x's dtype or in fp32
+        (the fused MoE's sum: the kernel adds it unrounded; torch's add rounds it first, as the
+        reference MoE does)."""
         if delta is None:
             return x, self(x)
         if self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda and x.element_size() == 2):
             from .triton_norm import add_rms_norm
             return add_rms_norm(x, delta, self.weight, self.eps)
-        x = x + delta
+        x = x + delta.to(x.dtype)
         return x, self(x)
 
 
@@ -191,7 +193,19 @@ class Gate(nn.Module):
         return weights * self.scaling, experts
 
     def logits(self, x):
-        return F.linear(x.float(), self.weight.float())
+        return F.linear(x.float(), self.weight_fp32())
+
+    def weight_fp32(self) -> torch.Tensor:
+        """The weight in fp32 (exact from bf16), converted once: a decode step converted it in
+        every MoE layer, one copy kernel each. Converted again when the weight changes (a load
+        writes it in place, which moves its version; `.to()` makes a new tensor)."""
+        weight = self.weight
+        if weight.dtype == torch.float32:
+            return weight
+        key = (weight.data_ptr(), weight._version)
+        if getattr(self, "_fp32_key", None) != key:
+            self._fp32, self._fp32_key = weight.detach().float(), key
+        return self._fp32
 
 
 def sort_rows(experts, n_experts: int):
@@ -268,7 +282,9 @@ class Experts(nn.Module):
         """x [N, H] -> the routed experts' weighted sum plus the shared experts' MLP, in the two
         Triton kernels: the shared MLP's weights read in place as experts E.. that every token
         picks with weight 1, and for decode batches the routing in one kernel as well
-        (decoder/triton_route.py). The reference: `forward` + `shared(x)`."""
+        (decoder/triton_route.py). In fp32, as the kernels sum it: the next norm's kernel adds
+        it to the residual stream (`RMSNorm.add_and_norm`), so no kernel rounds it to x's dtype
+        first. The reference: `forward` + `shared(x)`."""
         from . import triton_route
         from .triton_moe import fused_experts
         n_shared = shared.down_proj.weight.shape[1] // self.down_proj.shape[2]
@@ -276,7 +292,8 @@ class Experts(nn.Module):
         route = triton_route.route if x.shape[0] <= triton_route.MAX_TOKENS else route_reference
         weights, order, ends = route(logits, gate.top_k, gate.scaling, n_shared)
         return fused_experts(x, weights, order, ends, self.gate_up_proj, self.down_proj, gate.top_k + n_shared,
-                             shared=(shared.gate_up_proj.weight, shared.down_proj.weight))
+                             shared=(shared.gate_up_proj.weight, shared.down_proj.weight),
+                             out_dtype=torch.float32)
 
     def forward(self, x, weights, experts):
         """x [N, H]; weights, experts [N, k] -> sum_j weights[:, j] * expert_j(x)."""

@@ -190,11 +190,13 @@ def down_combine(act, order, ends, route_weights, down, tokens: int, top_k: int,
 
 def fused_experts(x, route_weights, order, ends, gate_up, down, top_k: int,
                   gate_up_tile: Tile | None = None, down_tile: Tile | None = None,
-                  shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [N, H]; route_weights [N * top_k] fp32 (flattened (token, choice) order); order [N *
     top_k] the pairs sorted by expert; ends [E] int32 where each expert's sorted rows end;
     gate_up [E, 2I, H]; down [E, H, I] -> sum over each token's choices of weight * expert(x),
-    [N, H] in x's dtype. The tiles are the two kernels' tuning knobs (default: the module's).
+    [N, H] in `out_dtype` (default x's; fp32: the sum as accumulated, no rounding copy). The
+    tiles are the two kernels' tuning knobs (default: the module's).
     `shared`: the shared experts' MLP weights as stored (gate_up [2 S I, H], gate rows then up
     rows; down [H, S I]), read in place as experts E..E+S-1 of I columns each: each token's
     pairs then include one per shared expert (`top_k` counts them; `ends` has E + S entries)."""
@@ -203,4 +205,4 @@ def fused_experts(x, route_weights, order, ends, gate_up, down, top_k: int,
     assert shared is None or (gate_up_shared.is_contiguous() and down_shared.is_contiguous())
     act = gate_up_silu(x, order, ends, gate_up, top_k, gate_up_tile, gate_up_shared)
     return down_combine(act, order, ends, route_weights, down, x.shape[0], top_k, down_tile,
-                        down_shared).to(x.dtype)
+                        down_shared).to(out_dtype or x.dtype)

@@ -6,7 +6,9 @@ and each norm as its own kernel, 48 kernels a decode step that move a few KB eac
 of few sequences is bound by how many kernels run. Here one program takes ROWS rows: the sum
 rounded to the activations' dtype (what the separate add stores) and stored, then normalised in
 fp32 and scaled by the weight, rounded once. Only the order of the fp32 sums differs from torch's
-`x + delta` then `F.rms_norm`, the reference twin (`RMSNorm.kernel = "torch"`).
+`x + delta` then `F.rms_norm`, the reference twin (`RMSNorm.kernel = "torch"`). The output added may come in fp32
+(the fused MoE kernels' sum), added before any rounding: one rounding fewer than the reference,
+which rounds it to the activations' dtype first.
 """
 from __future__ import annotations
 
@@ -33,8 +35,9 @@ def _add_rms_norm(X, D, W, S, Y, n_rows, n_cols, eps, ROWS: tl.constexpr, BLOCK_
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-    """x, delta [..., n] (same shape) -> (x + delta, RMSNorm(x + delta) * weight)."""
-    assert x.shape == delta.shape and x.dtype == delta.dtype
+    """x, delta [..., n] (same shape; delta in x's dtype or fp32) -> (x + delta rounded to x's
+    dtype, RMSNorm(x + delta) * weight)."""
+    assert x.shape == delta.shape and delta.dtype in (x.dtype, torch.float32)
     x, delta = x.contiguous(), delta.contiguous()
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols

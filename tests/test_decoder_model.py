@@ -9,7 +9,7 @@ import torch
 from common.checkpoint import SINGLE_FILE
 from decoder.checkpoint import load_decoder, released_shapes
 from decoder.config import DecoderArgs
-from decoder.model import Attention, Decoder, Experts, grouped_mm, grouped_mm_loop
+from decoder.model import Attention, Decoder, Experts, Gate, grouped_mm, grouped_mm_loop
 from deployments.model_source import write_random_model
 from encoder import CheckpointError, EncoderArgs
 from tests.conftest import run_in_triton_interpreter
@@ -70,6 +70,23 @@ def test_fused_projections_equal_the_released_separate_ones(pair):
         finally:
             ours.use_fused_projections(True)
     assert rel_err(fused, separate) <= 1e-6
+
+
+def test_gate_converts_its_weight_to_fp32_once_and_again_after_a_load():
+    """The routing logits take the gate's weight in fp32: converted at the first call, the same
+    tensor after, converted again once a load (in place) or a copy has changed the weight."""
+    gate = Gate(DecoderArgs.tiny()).to(torch.bfloat16)
+    gate.load_state_dict({"weight": torch.randn(gate.weight.shape)})
+    first = gate.weight_fp32()
+    assert torch.equal(first, gate.weight.float()) and gate.weight_fp32() is first
+    gate.load_state_dict({"weight": torch.randn(gate.weight.shape)})
+    second = gate.weight_fp32()
+    assert second is not first and torch.equal(second, gate.weight.float())
+    x = torch.randn(3, gate.weight.shape[1], dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert gate.weight_fp32() is second
+        assert torch.equal(gate.logits(x), torch.nn.functional.linear(x.float(), gate.weight.float()))
+    assert gate.float().weight_fp32() is gate.weight  # fp32 weights are taken as they are
 
 
 MOE_KERNELS_IN_INTERPRETER = """
@@ -183,6 +200,12 @@ for shape in [(1, 1, 64), (3, 5, 1280), (7, 96)]:  # 1,280: two rows a program, 
     assert torch.equal(total, x + delta)
     reference = torch.nn.functional.rms_norm(x + delta, (shape[-1],), weight, 1e-6)
     assert torch.allclose(y, reference, atol=1e-5, rtol=1e-5), float((y - reference).abs().max())
+# fp16 activations, an fp32 output added (the fused MoE's): summed before rounding, stored in fp16
+x, delta, weight = torch.randn(3, 96).half(), torch.randn(3, 96) / 3, torch.randn(96).half()
+total, y = add_rms_norm(x, delta, weight, 1e-6)
+assert total.dtype == y.dtype == torch.float16 and torch.equal(total, (x.float() + delta).half())
+reference = torch.nn.functional.rms_norm(total.float(), (96,), weight.float(), 1e-6)
+assert torch.allclose(y.float(), reference, atol=2e-3, rtol=2e-3), float((y.float() - reference).abs().max())
 model = random_decoder(DecoderArgs.tiny(), dtype=torch.float32)
 ids = torch.randint(0, 259, (2, 9))
 with torch.no_grad():
