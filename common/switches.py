@@ -66,6 +66,9 @@ SWITCHES = {s.name: s for s in (
     Switch("DEEPSEEK_OCR_PREFILL_BEHIND_DECODE", "1", ON_OFF,
            "while sequences decode, a new prefill runs first and its first tokens are picked at "
            "once, then the decode step (decoder), instead of behind the decode step, picked a step later"),
+    Switch("DEEPSEEK_OCR_SPLIT_ARGMAX", "1", ON_OFF,
+           "a decode step's greedy pick of few rows as one argmax over the vocabulary (decoder), "
+           "not a max per chunk of it, then the chunks' argmax"),
     Switch("DEEPSEEK_OCR_RSWA_FREE_PAGES", "1", ON_OFF,
            "Unlimited-OCR's R-SWA gap (past the prompt, before the window) kept in its KV pages "
            "until the sequence leaves (the kernel skips it, the reference masks it)"),

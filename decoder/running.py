@@ -16,7 +16,7 @@ from common.triton_compile import compile_ahead
 
 from .kv_cache import KVCache
 from .model import CacheStep, Decoder
-from .sampling import SamplerGraphs, pick_tokens
+from .sampling import SamplerGraphs, argmax_rows, pick_tokens
 from .sequence import Sequence
 from .tokenizer import IMAGE_TOKEN_ID
 
@@ -170,7 +170,7 @@ class ModelRunner:
         existed); otherwise `pick_tokens` per row, replayed from a graph when there are graphs."""
         params = [s.request.params for s in seqs]
         if all(p.temperature == 0 for p in params):
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         device = logits.device
         rows = (torch.tensor([p.temperature for p in params], device=device),
                 torch.tensor([p.top_p for p in params], device=device),

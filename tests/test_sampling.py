@@ -7,7 +7,8 @@ import torch
 from decoder.checkpoint import load_decoder
 from decoder.engine import GenerationEngine, GenerationRequest, SamplingParams
 from decoder.ngram import NGramConfig
-from decoder.sampling import pick_tokens, uniform_draws
+from decoder import sampling
+from decoder.sampling import argmax_rows, pick_tokens, uniform_draws
 from decoder.tokenizer import SPECIAL_TOKENS, ByteTokenizer, build_prompt
 from deployments.model_source import write_random_model
 
@@ -58,6 +59,28 @@ def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
     picks = pick_tokens(logits, temperature, torch.ones(6), torch.arange(6), torch.zeros(6, dtype=torch.long))
     greedy = temperature == 0
     assert torch.equal(picks[greedy], logits.argmax(-1)[greedy])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("rows", [1, 3, sampling.SPLIT_ARGMAX_ROWS, sampling.SPLIT_ARGMAX_ROWS + 1])
+def test_split_argmax_picks_what_argmax_picks_ties_included(rows, device):
+    """`argmax_rows` (a max per chunk of the vocabulary, then the chunks' argmax) against one
+    argmax: rows with one maximum, with ties inside a chunk and across chunks (the first wins),
+    a maximum at either end, rows of -inf but one (banned tokens)."""
+    vocab = 129280
+    torch.manual_seed(rows)
+    logits = torch.randn(rows, vocab).to(torch.bfloat16)  # bf16: ties are common, as in the model's
+    top = logits.max() + 1
+    cases = [(5, 7), (1010 * 3 + 2, 1010 * 3 + 900), (1010 * 9, 1010 * 100), (0, vocab - 1)]
+    for row in range(rows):
+        first, second = cases[row % len(cases)]
+        logits[row, first] = logits[row, second] = top
+    if rows > 2:
+        logits[2] = float("-inf")
+        logits[2, vocab - 1] = 0
+    logits = logits.to(device)
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert argmax_rows(logits)[0] == 5
 
 
 def test_uniform_draws_are_a_fixed_function_of_seed_step_and_token():
