@@ -5,15 +5,17 @@ about ten small kernels a layer: softmax, top-k, the scaling, the ids cast to by
 range and a search for where each expert's rows end (`Gate`, `Experts.sort_rows`), and for the
 shared experts riding in the expert kernels two concatenations more. In a decode step of a few
 sequences each is a launch that moves almost nothing: at batch 1 a step is bound by how many
-kernels run, not by bytes. `route` does all of it in one program:
-  1. per block of tokens: softmax (fp32), the top-k by repeated maxima (ties: the lower expert
-     id), weights times the routed scaling; each token's shared experts appended as always
-     chosen (ids E.., weight 1); a count per expert;
+kernels run, not by bytes. `route` does all of it in one program, on one block of tokens:
+  1. softmax (fp32), the top-k by repeated maxima (ties: the lower expert id), weights times
+     the routed scaling; each token's shared experts appended as always chosen (ids E..,
+     weight 1); a count per expert;
   2. the counts' running sum: where each expert's rows end;
-  3. per block of (token, choice) pairs: each pair's place among its expert's rows (a running
-     count per expert, so the order is stable: the same as a stable sort of the ids).
-One program walks every token, so it is for small batches (`MAX_TOKENS`); larger ones take the
-reference path, where those kernels are a small share of a step.
+  3. the (token, choice) pairs sorted by the key (expert, pair): unique keys, so the order is
+     a stable sort's of the ids.
+The program holds every token, so it is for small batches (`MAX_TOKENS`); larger ones take the
+reference path, where those kernels are a small share of a step. (Its first form walked the
+tokens in blocks of 16 and placed the pairs by running counts, 64 at a time: 34 us a layer at 64
+tokens on an H100, 10.7% of that decode step, decoder-realistic-fusions-h100-2026-12-05.)
 The reference twin is `model.route_reference` (tests compare the two).
 """
 from __future__ import annotations
@@ -24,53 +26,48 @@ import triton.language as tl
 
 from common.triton_compile import launch_kernel
 
-MAX_TOKENS = 64  # one program walks every token: decode batches up to here
-BLOCK_T, BLOCK_P = 16, 64  # tokens per softmax/top-k block; pairs per placement block
+MAX_TOKENS = 64  # one program, one block of tokens: decode batches up to here
+MIN_BLOCK_T = 16  # the smallest token block (smaller batches are masked rows of it)
 
 
 @triton.jit
 def _route_kernel(LOGITS, WEIGHTS, EXPERT_OF, ORDER, ENDS, n_tokens, s_logits, scaling,
                   E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr,
                   E_POW2: tl.constexpr, ALL_POW2: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_P: tl.constexpr):
+                  PAIRS: tl.constexpr):
     K_ALL: tl.constexpr = TOP_K + N_SHARED
     offs_e = tl.arange(0, E_POW2)
     offs_all = tl.arange(0, ALL_POW2)
+    tokens = tl.arange(0, BLOCK_T)
+    t_ok = tokens < n_tokens
+    logits = tl.load(LOGITS + tokens[:, None] * s_logits + offs_e[None, :],
+                     mask=t_ok[:, None] & (offs_e < E)[None, :], other=-float("inf"))
+    logits = tl.where(t_ok[:, None], logits, 0.0)  # rows past the tokens: finite, never stored
+    p = tl.exp(logits - tl.max(logits, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    p = tl.where((offs_e < E)[None, :], p, -1.0)  # padding experts are never picked
     counts = tl.zeros([ALL_POW2], dtype=tl.int32)
-    for t0 in range(0, n_tokens, BLOCK_T):
-        tokens = t0 + tl.arange(0, BLOCK_T)
-        t_ok = tokens < n_tokens
-        logits = tl.load(LOGITS + tokens[:, None] * s_logits + offs_e[None, :],
-                         mask=t_ok[:, None] & (offs_e < E)[None, :], other=-float("inf"))
-        logits = tl.where(t_ok[:, None], logits, 0.0)  # rows past the tokens: finite, never stored
-        p = tl.exp(logits - tl.max(logits, 1)[:, None])
-        p = p / tl.sum(p, 1)[:, None]
-        p = tl.where((offs_e < E)[None, :], p, -1.0)  # padding experts are never picked
-        for j in tl.static_range(TOP_K):
-            best = tl.max(p, 1)
-            pick = tl.min(tl.where(p == best[:, None], offs_e[None, :], E_POW2), 1)
-            tl.store(WEIGHTS + tokens * K_ALL + j, best * scaling, mask=t_ok)
-            tl.store(EXPERT_OF + tokens * K_ALL + j, pick, mask=t_ok)
-            p = tl.where(offs_e[None, :] == pick[:, None], -1.0, p)
-            counts += tl.sum(((offs_all[None, :] == pick[:, None]) & t_ok[:, None]).to(tl.int32), 0)
-        for j in tl.static_range(N_SHARED):
-            tl.store(WEIGHTS + tokens * K_ALL + TOP_K + j, tl.full([BLOCK_T], 1.0, tl.float32), mask=t_ok)
-            tl.store(EXPERT_OF + tokens * K_ALL + TOP_K + j, tl.full([BLOCK_T], E + j, tl.int32), mask=t_ok)
-        shared = (offs_all >= E) & (offs_all < E + N_SHARED)
-        counts += tl.where(shared, tl.sum(t_ok.to(tl.int32), 0), 0)
-    ends = tl.cumsum(counts, 0)
-    tl.store(ENDS + offs_all, ends, mask=offs_all < E + N_SHARED)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 1)
+        pick = tl.min(tl.where(p == best[:, None], offs_e[None, :], E_POW2), 1)
+        tl.store(WEIGHTS + tokens * K_ALL + j, best * scaling, mask=t_ok)
+        tl.store(EXPERT_OF + tokens * K_ALL + j, pick, mask=t_ok)
+        p = tl.where(offs_e[None, :] == pick[:, None], -1.0, p)
+        counts += tl.sum(((offs_all[None, :] == pick[:, None]) & t_ok[:, None]).to(tl.int32), 0)
+    for j in tl.static_range(N_SHARED):
+        tl.store(WEIGHTS + tokens * K_ALL + TOP_K + j, tl.full([BLOCK_T], 1.0, tl.float32), mask=t_ok)
+        tl.store(EXPERT_OF + tokens * K_ALL + TOP_K + j, tl.full([BLOCK_T], E + j, tl.int32), mask=t_ok)
+    shared = (offs_all >= E) & (offs_all < E + N_SHARED)
+    counts += tl.where(shared, n_tokens, 0)
+    tl.store(ENDS + offs_all, tl.cumsum(counts, 0), mask=offs_all < E + N_SHARED)
     tl.debug_barrier()  # the pairs' expert ids, stored above by other threads, are read below
-    cursor = ends - counts  # where each expert's next row goes
-    n_pairs = n_tokens * K_ALL
-    for p0 in range(0, n_pairs, BLOCK_P):
-        pairs = p0 + tl.arange(0, BLOCK_P)
-        p_ok = pairs < n_pairs
-        expert = tl.load(EXPERT_OF + pairs, mask=p_ok, other=ALL_POW2)  # past the end: no expert
-        onehot = (expert[:, None] == offs_all[None, :]).to(tl.int32)
-        before = tl.sum(tl.cumsum(onehot, 0) * onehot, 1) - 1  # same-expert pairs earlier in the block
-        tl.store(ORDER + tl.sum(onehot * cursor[None, :], 1) + before, pairs, mask=p_ok)
-        cursor += tl.sum(onehot, 0)
+    # The stable sort of the pairs by expert: one sort of the keys (expert, pair), unique, so
+    # the pairs of one expert keep their order; pairs past the end sort last.
+    pairs = tl.arange(0, PAIRS)
+    p_ok = pairs < n_tokens * K_ALL
+    expert = tl.load(EXPERT_OF + pairs, mask=p_ok, other=ALL_POW2)
+    keys = tl.sort(expert * PAIRS + pairs)
+    tl.store(ORDER + pairs, keys % PAIRS, mask=p_ok)
 
 
 def route(logits: torch.Tensor, top_k: int, scaling: float, n_shared: int):
@@ -85,8 +82,9 @@ def route(logits: torch.Tensor, top_k: int, scaling: float, n_shared: int):
     expert_of = torch.empty(n * k_all, device=logits.device, dtype=torch.int32)
     order = torch.empty(n * k_all, device=logits.device, dtype=torch.int32)
     ends = torch.empty(experts + n_shared, device=logits.device, dtype=torch.int32)
+    block_t = max(MIN_BLOCK_T, triton.next_power_of_2(n))
     launch_kernel(_route_kernel, (1,), logits, weights, expert_of, order, ends, n, logits.stride(0),
                   scaling, E=experts, TOP_K=top_k, N_SHARED=n_shared, E_POW2=triton.next_power_of_2(experts),
-                  ALL_POW2=triton.next_power_of_2(experts + n_shared), BLOCK_T=BLOCK_T, BLOCK_P=BLOCK_P,
-                  num_warps=4)
+                  ALL_POW2=triton.next_power_of_2(experts + n_shared), BLOCK_T=block_t,
+                  PAIRS=triton.next_power_of_2(block_t * k_all), num_warps=4)
     return weights, order, ends
