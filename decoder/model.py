@@ -281,16 +281,17 @@ class Experts(nn.Module):
     def with_shared(self, x, gate: Gate, shared: MLP):
         """x [N, H] -> the routed experts' weighted sum plus the shared experts' MLP, in the two
         Triton kernels: the shared MLP's weights read in place as experts E.. that every token
-        picks with weight 1, and for decode batches the routing in one kernel as well
-        (decoder/triton_route.py). In fp32, as the kernels sum it: the next norm's kernel adds
+        picks with weight 1, and for decode batches the gate and the routing in one kernel as
+        well (decoder/triton_route.py). In fp32, as the kernels sum it: the next norm's kernel adds
         it to the residual stream (`RMSNorm.add_and_norm`), so no kernel rounds it to x's dtype
         first. The reference: `forward` + `shared(x)`."""
         from . import triton_route
         from .triton_moe import fused_experts
         n_shared = shared.down_proj.weight.shape[1] // self.down_proj.shape[2]
-        logits = gate.logits(x)
-        route = triton_route.route if x.shape[0] <= triton_route.MAX_TOKENS else route_reference
-        weights, order, ends = route(logits, gate.top_k, gate.scaling, n_shared)
+        if x.shape[0] <= triton_route.MAX_TOKENS:  # the gate's matmul in the route kernel too
+            weights, order, ends = triton_route.route(x, gate.weight, gate.top_k, gate.scaling, n_shared)
+        else:
+            weights, order, ends = route_reference(gate.logits(x), gate.top_k, gate.scaling, n_shared)
         return fused_experts(x, weights, order, ends, self.gate_up_proj, self.down_proj, gate.top_k + n_shared,
                              shared=(shared.gate_up_proj.weight, shared.down_proj.weight),
                              out_dtype=torch.float32)

@@ -1,14 +1,15 @@
 """A decode step's MoE routing in one Triton kernel (CUDA; Triton's interpreter on CPU).
 
-Between the gate's logits and the two expert kernels (decoder/triton_moe.py) the reference runs
-about ten small kernels a layer: softmax, top-k, the scaling, the ids cast to bytes, a sort, a
-range and a search for where each expert's rows end (`Gate`, `Experts.sort_rows`), and for the
-shared experts riding in the expert kernels two concatenations more. In a decode step of a few
-sequences each is a launch that moves almost nothing: at batch 1 a step is bound by how many
-kernels run, not by bytes. `route` does all of it in one program, on one block of tokens:
-  1. softmax (fp32), the top-k by repeated maxima (ties: the lower expert id), weights times
-     the routed scaling; each token's shared experts appended as always chosen (ids E..,
-     weight 1); a count per expert;
+Between the gate and the two expert kernels (decoder/triton_moe.py) the reference runs about a
+dozen small kernels a layer: the activations cast to fp32 and the gate's matmul, softmax, top-k,
+the scaling, the ids cast to bytes, a sort, a range and a search for where each expert's rows
+end (`Gate`, `Experts.sort_rows`), and for the shared experts riding in the expert kernels two
+concatenations more. In a decode step of a few sequences each is a launch that moves almost
+nothing: at batch 1 a step is bound by how many kernels run, not by bytes. `route` does all of
+it in one program, on one block of tokens:
+  1. the gate's logits (fp32 sums of the half-precision products), softmax, the top-k by
+     repeated maxima (ties: the lower expert id), weights times the routed scaling; each
+     token's shared experts appended as always chosen (ids E.., weight 1); a count per expert;
   2. the counts' running sum: where each expert's rows end;
   3. the (token, choice) pairs sorted by the key (expert, pair): unique keys, so the order is
      a stable sort's of the ids.
@@ -28,21 +29,33 @@ from common.triton_compile import launch_kernel
 
 MAX_TOKENS = 64  # one program, one block of tokens: decode batches up to here
 MIN_BLOCK_T = 16  # the smallest token block (smaller batches are masked rows of it)
+BLOCK_H = 128  # hidden columns per step of the gate's matmul
 
 
 @triton.jit
-def _route_kernel(LOGITS, WEIGHTS, EXPERT_OF, ORDER, ENDS, n_tokens, s_logits, scaling,
+def _route_kernel(X, GATE, WEIGHTS, EXPERT_OF, ORDER, ENDS, n_tokens, hidden, s_x, s_gate, scaling,
                   E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr,
                   E_POW2: tl.constexpr, ALL_POW2: tl.constexpr, BLOCK_T: tl.constexpr,
-                  PAIRS: tl.constexpr):
+                  BLOCK_H: tl.constexpr, PAIRS: tl.constexpr, IEEE: tl.constexpr):
     K_ALL: tl.constexpr = TOP_K + N_SHARED
     offs_e = tl.arange(0, E_POW2)
     offs_all = tl.arange(0, ALL_POW2)
     tokens = tl.arange(0, BLOCK_T)
     t_ok = tokens < n_tokens
-    logits = tl.load(LOGITS + tokens[:, None] * s_logits + offs_e[None, :],
-                     mask=t_ok[:, None] & (offs_e < E)[None, :], other=-float("inf"))
-    logits = tl.where(t_ok[:, None], logits, 0.0)  # rows past the tokens: finite, never stored
+    # The gate's logits, x @ gate.T in fp32: half-precision products are exact in fp32, so only
+    # the order of the sums differs from the reference's fp32 matmul of the converted operands.
+    logits = tl.zeros([BLOCK_T, E_POW2], dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = offs_h < hidden
+        x = tl.load(X + tokens[:, None] * s_x + offs_h[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
+        w = tl.load(GATE + offs_h[:, None] + offs_e[None, :] * s_gate, mask=h_ok[:, None] & (offs_e < E)[None, :],
+                    other=0.0)
+        if IEEE:  # fp32 activations: no TF32 rounding
+            logits = tl.dot(x, w, logits, input_precision="ieee")
+        else:
+            logits = tl.dot(x, w, logits)
+    logits = tl.where((offs_e < E)[None, :], logits, -float("inf"))  # padding experts: probability 0
     p = tl.exp(logits - tl.max(logits, 1)[:, None])
     p = p / tl.sum(p, 1)[:, None]
     p = tl.where((offs_e < E)[None, :], p, -1.0)  # padding experts are never picked
@@ -70,21 +83,25 @@ def _route_kernel(LOGITS, WEIGHTS, EXPERT_OF, ORDER, ENDS, n_tokens, s_logits, s
     tl.store(ORDER + pairs, keys % PAIRS, mask=p_ok)
 
 
-def route(logits: torch.Tensor, top_k: int, scaling: float, n_shared: int):
-    """logits [N, E] fp32, N <= MAX_TOKENS -> (route_weights [N * K] fp32, order [N * K] int32,
-    ends [E + n_shared] int32), K = top_k + n_shared: the (token, choice) pairs' weights (the
-    softmax's top_k times `scaling`, then 1 for each shared expert), the pairs sorted (stably)
-    by expert, and where each expert's sorted rows end, as `fused_experts` takes them."""
-    n, experts = logits.shape
-    assert n <= MAX_TOKENS and logits.dtype == torch.float32 and logits.stride(1) == 1
+def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, scaling: float, n_shared: int):
+    """x [N, H] activations, N <= MAX_TOKENS, and the gate's weight [E, H] (the same dtype) ->
+    (route_weights [N * K] fp32, order [N * K] int32, ends [E + n_shared] int32),
+    K = top_k + n_shared: the (token, choice) pairs' weights (the top_k of the softmax of the
+    gate's fp32 logits, times `scaling`; then 1 for each shared expert), the pairs sorted
+    (stably) by expert, and where each expert's sorted rows end, as `fused_experts` takes them."""
+    n, hidden = x.shape
+    experts = gate.shape[0]
+    assert n <= MAX_TOKENS and gate.shape[1] == hidden and x.dtype == gate.dtype
+    assert x.stride(1) == gate.stride(1) == 1
     k_all = top_k + n_shared
-    weights = torch.empty(n * k_all, device=logits.device, dtype=torch.float32)
-    expert_of = torch.empty(n * k_all, device=logits.device, dtype=torch.int32)
-    order = torch.empty(n * k_all, device=logits.device, dtype=torch.int32)
-    ends = torch.empty(experts + n_shared, device=logits.device, dtype=torch.int32)
+    weights = torch.empty(n * k_all, device=x.device, dtype=torch.float32)
+    expert_of = torch.empty(n * k_all, device=x.device, dtype=torch.int32)
+    order = torch.empty(n * k_all, device=x.device, dtype=torch.int32)
+    ends = torch.empty(experts + n_shared, device=x.device, dtype=torch.int32)
     block_t = max(MIN_BLOCK_T, triton.next_power_of_2(n))
-    launch_kernel(_route_kernel, (1,), logits, weights, expert_of, order, ends, n, logits.stride(0),
-                  scaling, E=experts, TOP_K=top_k, N_SHARED=n_shared, E_POW2=triton.next_power_of_2(experts),
-                  ALL_POW2=triton.next_power_of_2(experts + n_shared), BLOCK_T=block_t,
-                  PAIRS=triton.next_power_of_2(block_t * k_all), num_warps=4)
+    launch_kernel(_route_kernel, (1,), x, gate, weights, expert_of, order, ends, n, hidden, x.stride(0),
+                  gate.stride(0), scaling, E=experts, TOP_K=top_k, N_SHARED=n_shared,
+                  E_POW2=max(16, triton.next_power_of_2(experts)),  # a dot's dimensions are >= 16
+                  ALL_POW2=triton.next_power_of_2(experts + n_shared), BLOCK_T=block_t, BLOCK_H=BLOCK_H,
+                  PAIRS=triton.next_power_of_2(block_t * k_all), IEEE=x.dtype == torch.float32, num_warps=4)
     return weights, order, ends

@@ -147,9 +147,9 @@ from decoder import triton_route
 torch.manual_seed(0)
 # route vs route_reference: order and ends exact (stable), weights close
 for n, e, k, s in [(1, 8, 3, 2), (5, 8, 3, 0), (37, 64, 6, 2), (64, 66, 6, 2), (16, 8, 8, 1)]:
-    logits = torch.randn(n, e) * 3
-    w, o, en = triton_route.route(logits, k, 1.5, s)
-    rw, ro, ren = route_reference(logits, k, 1.5, s)
+    x, gate = torch.randn(n, 200), torch.randn(e, 200) / 5  # 200: a partial block of the hidden width
+    w, o, en = triton_route.route(x, gate, k, 1.5, s)
+    rw, ro, ren = route_reference(x @ gate.T, k, 1.5, s)
     assert torch.equal(en.long(), ren.long()), (en, ren)
     assert torch.equal(o.long(), ro.long()), (o, ro)
     assert torch.allclose(w, rw, atol=1e-6, rtol=1e-5)
@@ -444,9 +444,10 @@ def test_fused_routing_is_no_less_accurate_than_the_reference_moe_on_gpu(tokens)
         moe.fused_routing = True
         fused = moe(x)
         if tokens <= triton_route.MAX_TOKENS:
-            logits = moe.gate.logits(x[0])
-            routed = triton_route.route(logits, args.top_k, args.routed_scaling, args.n_shared_experts)
-            expected = route_reference(logits, args.top_k, args.routed_scaling, args.n_shared_experts)
+            routed = triton_route.route(x[0], moe.gate.weight, args.top_k, args.routed_scaling,
+                                        args.n_shared_experts)
+            expected = route_reference(moe.gate.logits(x[0]), args.top_k, args.routed_scaling,
+                                       args.n_shared_experts)
             assert torch.equal(routed[1].long(), expected[1]) and torch.equal(routed[2], expected[2])
             torch.testing.assert_close(routed[0], expected[0])
     err, ref_err = rel_err(fused, exact), rel_err(reference, exact)
