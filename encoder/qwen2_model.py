@@ -30,6 +30,7 @@ from torch import nn
 
 from common import switches
 
+from . import model as sam_model  # its pointwise-kernel helpers (looked up at call time: tests patch them)
 from .config import EncoderV2Args
 
 # The causal-flow mask as two mask-free attentions (`flow_attention`); off by default until it is
@@ -89,6 +90,19 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+    def add_and_norm(self, x, delta):
+        """(x + delta, this norm of it): the residual stream and the norm's output; with no
+        delta (before the first layer), (x, the norm of x). On a GPU in half precision one
+        Triton kernel (`triton_norm.rms_norm`; DEEPSEEK_OCR_NORM_KERNEL=0: the add, then
+        `forward`, the reference twin)."""
+        if sam_model._takes(x, sam_model.NORM_KERNEL) and self.weight.dtype == x.dtype and (
+                delta is None or (delta.is_contiguous() and delta.shape == x.shape and delta.dtype == x.dtype)):
+            out = sam_model._pointwise_kernels()[0].rms_norm(x, self.weight, self.eps, residual=delta)
+            return (x, out) if delta is None else out
+        if delta is not None:
+            x = x + delta
+        return x, self(x)
 
 
 def flow_attention(q, k, v, mask: torch.Tensor, n_image: int, split: bool) -> torch.Tensor:
@@ -154,9 +168,13 @@ class Qwen2Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.qwen2_width, args.rms_eps)
         self.mlp = Qwen2MLP(args)
 
-    def forward(self, x, cos, sin, mask, n_image: int):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, n_image)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, cos, sin, mask, n_image: int):
+        """The residual stream x and the last layer's output not yet added to it (None before
+        the first layer) -> the same after this layer: each add happens in the next norm's
+        kernel (`RMSNorm.add_and_norm`)."""
+        x, h = self.input_layernorm.add_and_norm(x, delta)
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, cos, sin, mask, n_image))
+        return x, self.mlp(h)
 
 
 class Qwen2Layers(nn.Module):
@@ -206,6 +224,8 @@ class Qwen2Encoder(nn.Module):
         mask = causal_flow_mask(n, n, x.device)
         cos, sin = rope_tables(2 * n, self.args.qwen2_head_dim, self.args.rope_theta, x.device, x.dtype)
         stack = self.model.model
+        delta = None
         for layer in stack.layers:
-            x = layer(x, cos, sin, mask, n)
-        return stack.norm(x[:, n:])  # the norm is per token: only the queries' rows are needed
+            x, delta = layer(x, delta, cos, sin, mask, n)
+        # The norm is per token: only the queries' rows leave (the kernel's one pass takes all).
+        return stack.norm.add_and_norm(x, delta)[1][:, n:]

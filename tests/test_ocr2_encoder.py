@@ -10,6 +10,7 @@ from encoder.checkpoint import vision_shapes
 from encoder.qwen2_model import causal_flow_mask
 from encoder.views import normalize
 from tests import reference_ocr2 as ref
+from tests.conftest import run_in_triton_interpreter
 from tests.helpers import rel_err
 from tests.test_ocr2_tiling import noise, preprocess_ocr2
 
@@ -208,3 +209,64 @@ def test_encoder_with_split_flow_attention_equals_the_reference():
         split = [encoder.forward_global(pixels[0]), encoder.forward_local(pixels[1])]
     for got, want in zip(split, reference):
         assert rel_err(got, want) < 1e-5
+
+
+QWEN2_NORM_IN_INTERPRETER = """
+import torch
+from encoder import EncoderV2Args, model
+from encoder.qwen2_model import Qwen2Encoder, RMSNorm
+from encoder.triton_norm import rms_norm
+torch.manual_seed(0)
+# fp16 (the interpreter has no bf16): the sum as the separate add rounds it, the norm within
+# one rounding of Qwen2RMSNorm's; 896 and 100: rows past a power of two, a partial program.
+for shape in [(2, 5, 896), (3, 100)]:
+    norm = RMSNorm(shape[-1], 1e-6).half()
+    with torch.no_grad():
+        norm.weight.normal_()
+        x, delta = torch.randn(shape).half(), torch.randn(shape).half()
+        y = rms_norm(x, norm.weight, norm.eps)
+        total, y2 = rms_norm(x, norm.weight, norm.eps, residual=delta)
+        assert torch.equal(total, x + delta)
+        for got, want in ((y, norm(x)), (y2, norm(x + delta))):
+            err = float((got.float() - want.float()).abs().max())
+            assert torch.allclose(got.float(), want.float(), rtol=2e-3, atol=2e-3), err
+# The Qwen2 stage (fp32) with every norm and residual add in the kernel, against torch's ops.
+args = EncoderV2Args.tiny()
+encoder = Qwen2Encoder(args)
+with torch.no_grad():
+    for p in encoder.parameters():
+        p.normal_(0, 0.2)
+    features = torch.randn(2, args.qwen2_width, 12, 12)
+    reference = encoder(features)
+    model._takes = lambda x, flag: flag  # the GPU's kernels, here in Triton's interpreter on CPU
+    fused = encoder(features)
+err = float(((fused - reference).norm() / reference.norm()))
+assert err < 1e-5, err
+print("qwen2 norm kernel ok", err)
+"""
+
+
+def test_qwen2_norm_kernel_equals_the_reference_in_triton_interpreter():
+    """encoder/triton_norm.py's RMSNorm (the residual add in its pass) against Qwen2RMSNorm, and
+    the Qwen2 stage with every add-and-norm in the kernel against torch's ops, run by Triton's
+    CPU interpreter."""
+    pytest.importorskip("triton")
+    assert "qwen2 norm kernel ok" in run_in_triton_interpreter(QWEN2_NORM_IN_INTERPRETER)
+
+
+@pytest.mark.gpu
+def test_qwen2_norm_kernel_equals_torch_on_gpu():
+    """bf16 at the real width: the residual sum bit for bit the separate add's, the norm within
+    one rounding of Qwen2RMSNorm's."""
+    from encoder.qwen2_model import RMSNorm
+    from encoder.triton_norm import rms_norm
+    torch.manual_seed(0)
+    norm = RMSNorm(896, 1e-6).cuda()
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.to(torch.bfloat16)
+        x, delta = (torch.randn(8, 512, 896, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        total, y = rms_norm(x, norm.weight, norm.eps, residual=delta)
+        assert torch.equal(total, x + delta)
+        torch.testing.assert_close(y, norm(x + delta), rtol=0.016, atol=0.016)
+        torch.testing.assert_close(rms_norm(x, norm.weight, norm.eps), norm(x), rtol=0.016, atol=0.016)
