@@ -35,7 +35,9 @@ SWITCHES = {s.name: s for s in (
     Switch("DEEPSEEK_OCR_NORM_KERNEL", "1", ON_OFF, "torch's norms and residual adds (encoder's LayerNorm and Qwen2 RMSNorm, decoder's RMSNorm: "
            "triton_norm.py in each)",
            triton=True),
-    Switch("DEEPSEEK_OCR_ACTIVATION_KERNEL", "1", ON_OFF, "torch's quick_gelu in CLIP (encoder/triton_activation.py)",
+    Switch("DEEPSEEK_OCR_ACTIVATION_KERNEL", "1", ON_OFF,
+           "torch's quick_gelu in CLIP and SiLU(gate) * up in DeepSeek-OCR 2's Qwen2 MLP "
+           "(encoder/triton_activation.py)",
            triton=True),
     Switch("DEEPSEEK_OCR_PATCH_KERNEL", "1", ON_OFF,
            "torch's normalise and unfold of the pixels into SAM's patches (encoder/triton_pixels.py)", triton=True),
@@ -50,7 +52,8 @@ SWITCHES = {s.name: s for s in (
     Switch("DEEPSEEK_OCR_COMPILE_AHEAD", "1", ON_OFF,
            "each Triton kernel compiled at its first launch, not all at once on threads before capture"),
     Switch("DEEPSEEK_OCR_ROPE_KERNEL", "auto", ("auto", "triton", "torch"),
-           "`torch`: apply_rope and the KV-cache writes (decoder); `auto`: Triton on CUDA", triton=True),
+           "`torch`: apply_rope and the KV-cache writes (decoder), apply_rope in DeepSeek-OCR 2's "
+           "Qwen2 stage (encoder); `auto`: Triton on CUDA", triton=True),
     Switch("DEEPSEEK_OCR_MOE_KERNEL", "auto", ("auto", "triton", "grouped_mm"),
            "`grouped_mm`: gather, grouped matmuls, index-add (decoder); `auto`: Triton on CUDA in half precision",
            triton=True),

@@ -36,6 +36,9 @@ from .config import EncoderV2Args
 # The causal-flow mask as two mask-free attentions (`flow_attention`); off by default until it is
 # measured on a GPU against the masked reference.
 SPLIT_FLOW = switches.on("DEEPSEEK_OCR_SPLIT_FLOW_ATTENTION")
+# RoPE of q and k in one Triton pass each (`triton_rope.py`, bit for bit `apply_rope`) on a GPU in
+# half precision; DEEPSEEK_OCR_ROPE_KERNEL=torch: `apply_rope` (the reference).
+ROPE_KERNEL = switches.kernel("DEEPSEEK_OCR_ROPE_KERNEL") != "torch"
 
 # The two learned query tables, named by the side of the view they serve; a view of that side
 # has (side / 64)² SAM tokens and as many queries.
@@ -135,10 +138,16 @@ class Qwen2Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, n_image: int):
         bsz, seqlen, _ = x.shape
-        q = self.q_proj(x).view(bsz, seqlen, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(bsz, seqlen, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(bsz, seqlen, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if ROPE_KERNEL and sam_model._takes(q, True):
+            from .triton_rope import rope  # Triton is importable where _takes holds
+            q, k = rope(q, cos, sin, self.head_dim), rope(k, cos, sin, self.head_dim)
+            q = q.view(bsz, seqlen, self.heads, self.head_dim).transpose(1, 2)
+            k = k.view(bsz, seqlen, self.kv_heads, self.head_dim).transpose(1, 2)
+        else:
+            q = apply_rope(q.view(bsz, seqlen, self.heads, self.head_dim).transpose(1, 2), cos, sin)
+            k = apply_rope(k.view(bsz, seqlen, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        v = v.view(bsz, seqlen, self.kv_heads, self.head_dim).transpose(1, 2)
         # Key/value head h serves query heads h*rep .. (h+1)*rep-1 (transformers' repeat_kv).
         # Repeated here rather than SDPA's enable_gqa: with a mask, that flag sends CUDA to
         # the math kernel, while repeated heads keep the memory-efficient one.
@@ -157,7 +166,10 @@ class Qwen2MLP(nn.Module):
         self.down_proj = nn.Linear(args.qwen2_mlp_dim, args.qwen2_width, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if sam_model._takes(gate, sam_model.ACTIVATION_KERNEL):  # one pass, bit for bit the two ops
+            return self.down_proj(sam_model._pointwise_kernels()[1].silu_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Qwen2Layer(nn.Module):

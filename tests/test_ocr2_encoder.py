@@ -211,12 +211,25 @@ def test_encoder_with_split_flow_attention_equals_the_reference():
         assert rel_err(got, want) < 1e-5
 
 
-QWEN2_NORM_IN_INTERPRETER = """
+QWEN2_KERNELS_IN_INTERPRETER = """
 import torch
+import torch.nn.functional as F
 from encoder import EncoderV2Args, model
-from encoder.qwen2_model import Qwen2Encoder, RMSNorm
+from encoder.qwen2_model import Qwen2Encoder, RMSNorm, apply_rope, rope_tables
+from encoder.triton_activation import silu_mul
 from encoder.triton_norm import rms_norm
+from encoder.triton_rope import rope
 torch.manual_seed(0)
+# RoPE: bit for bit apply_rope on the head-major view (fp16; 14 heads: a partial power of two)
+cos, sin = rope_tables(20, 64, 1e6, torch.device("cpu"), torch.float16)
+for heads in (14, 2):
+    x = torch.randn(3, 20, heads * 64).half()
+    want = apply_rope(x.view(3, 20, heads, 64).transpose(1, 2), cos, sin)
+    got = rope(x, cos, sin, 64).view(3, 20, heads, 64).transpose(1, 2)
+    assert torch.equal(got, want), float((got.float() - want.float()).abs().max())
+# SiLU(gate) * up (the interpreter's exp is numpy's, not libdevice's: within a rounding)
+gate, up = torch.randn(5, 4864).half(), torch.randn(5, 4864).half()
+assert torch.allclose(silu_mul(gate, up).float(), (F.silu(gate.float()).half() * up).float(), rtol=2e-3, atol=2e-3)
 # fp16 (the interpreter has no bf16): the sum as the separate add rounds it, the norm within
 # one rounding of Qwen2RMSNorm's; 896 and 100: rows past a power of two, a partial program.
 for shape in [(2, 5, 896), (3, 100)]:
@@ -230,7 +243,7 @@ for shape in [(2, 5, 896), (3, 100)]:
         for got, want in ((y, norm(x)), (y2, norm(x + delta))):
             err = float((got.float() - want.float()).abs().max())
             assert torch.allclose(got.float(), want.float(), rtol=2e-3, atol=2e-3), err
-# The Qwen2 stage (fp32) with every norm and residual add in the kernel, against torch's ops.
+# The Qwen2 stage (fp32) with its kernels (every add-and-norm, RoPE, SiLU * up), against torch's ops.
 args = EncoderV2Args.tiny()
 encoder = Qwen2Encoder(args)
 with torch.no_grad():
@@ -242,25 +255,36 @@ with torch.no_grad():
     fused = encoder(features)
 err = float(((fused - reference).norm() / reference.norm()))
 assert err < 1e-5, err
-print("qwen2 norm kernel ok", err)
+print("qwen2 kernels ok", err)
 """
 
 
-def test_qwen2_norm_kernel_equals_the_reference_in_triton_interpreter():
-    """encoder/triton_norm.py's RMSNorm (the residual add in its pass) against Qwen2RMSNorm, and
-    the Qwen2 stage with every add-and-norm in the kernel against torch's ops, run by Triton's
-    CPU interpreter."""
+def test_qwen2_kernels_equal_the_reference_in_triton_interpreter():
+    """The Qwen2 stage's Triton kernels against torch's ops, run by Triton's CPU interpreter:
+    RoPE bit for bit `apply_rope`; SiLU(gate) * up; encoder/triton_norm.py's RMSNorm (the
+    residual add in its pass) against Qwen2RMSNorm; and the whole stage with all of them."""
     pytest.importorskip("triton")
-    assert "qwen2 norm kernel ok" in run_in_triton_interpreter(QWEN2_NORM_IN_INTERPRETER)
+    assert "qwen2 kernels ok" in run_in_triton_interpreter(QWEN2_KERNELS_IN_INTERPRETER)
 
 
 @pytest.mark.gpu
-def test_qwen2_norm_kernel_equals_torch_on_gpu():
-    """bf16 at the real width: the residual sum bit for bit the separate add's, the norm within
-    one rounding of Qwen2RMSNorm's."""
-    from encoder.qwen2_model import RMSNorm
+def test_qwen2_kernels_equal_torch_on_gpu():
+    """bf16 at the real dims: RoPE and SiLU(gate) * up bit for bit torch's ops; the residual sum
+    bit for bit the separate add's, the norm within one rounding of Qwen2RMSNorm's."""
+    import torch.nn.functional as F
+
+    from encoder.qwen2_model import RMSNorm, apply_rope, rope_tables
+    from encoder.triton_activation import silu_mul
     from encoder.triton_norm import rms_norm
+    from encoder.triton_rope import rope
     torch.manual_seed(0)
+    cos, sin = rope_tables(512, 64, 1e6, torch.device("cuda"), torch.bfloat16)
+    for heads in (14, 2):
+        x = torch.randn(8, 512, heads * 64, device="cuda", dtype=torch.bfloat16)
+        want = apply_rope(x.view(8, 512, heads, 64).transpose(1, 2), cos, sin)
+        assert torch.equal(rope(x, cos, sin, 64).view(8, 512, heads, 64).transpose(1, 2), want)
+    gate, up = (torch.randn(2048, 4864, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    assert torch.equal(silu_mul(gate, up), F.silu(gate) * up)
     norm = RMSNorm(896, 1e-6).cuda()
     with torch.no_grad():
         norm.weight.normal_()
