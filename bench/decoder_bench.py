@@ -17,7 +17,10 @@ and gate/up projections as separate matmuls: the packed ones' reference twin) an
 decoder/triton_moe.py's fused kernels, which the engine runs) and
 `decode_graphs_prefill_grouped_mm` (fused kernels in decode steps only, prefills grouped);
 `decode_graphs_torch_rope` (RoPE and the KV-cache writes as torch ops, the reference twin of
-decoder/triton_rope.py). `--code DIR`
+decoder/triton_rope.py); `decode_graphs_unfused_routing`, `decode_graphs_torch_norm` (the
+routing and the norms' reference twins); `decode_graphs_prefill_first` (the engine's former
+order: a prefill first, then the decode step); `decode_graphs_prefill_graphs` (one-sequence
+prefills replayed from CUDA graphs, DEEPSEEK_OCR_PREFILL_GRAPHS=1). `--code DIR`
 imports the decoder package from DIR instead (an older checkout, for an A/B in one run on one
 machine).
 
@@ -119,7 +122,8 @@ def main(argv=None):
                         choices=["eager", "decode_graphs", "decode_graphs_gather", "decode_graphs_separate",
                                  "decode_graphs_grouped_mm", "decode_graphs_prefill_grouped_mm",
                                  "decode_graphs_torch_rope", "decode_graphs_unfused_routing",
-                                 "decode_graphs_torch_norm", "decode_graphs_prefill_first"])
+                                 "decode_graphs_torch_norm", "decode_graphs_prefill_first",
+                                 "decode_graphs_prefill_graphs"])
     parser.add_argument("--code", help="import the decoder package from this directory")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per concurrency "
                         "(median; default 3, --smoke 1)")
@@ -201,6 +205,8 @@ def make_engine(model, tokenizer, variant: str, max_batch: int, max_len: int):
         engine.cache.kernel = "gather"  # before the first step captures the graphs
     if hasattr(engine, "prefill_behind_decode"):  # the old order: prefill, pick, then decode
         engine.prefill_behind_decode = variant != "decode_graphs_prefill_first"
+    if variant == "decode_graphs_prefill_graphs":  # DEEPSEEK_OCR_PREFILL_GRAPHS=1's path
+        engine.runner.prefill_graphs_on = True  # before the first step captures them
     # Older code (--code) has no packed projections to unpack.
     if hasattr(model, "use_fused_projections"):
         model.use_fused_projections(variant != "decode_graphs_separate")

@@ -70,6 +70,9 @@ SWITCHES = {s.name: s for s in (
     Switch("DEEPSEEK_OCR_PREFILL_BEHIND_DECODE", "1", ON_OFF,
            "while sequences decode, a new prefill runs first and its first tokens are picked at "
            "once, then the decode step (decoder), instead of behind the decode step, picked a step later"),
+    Switch("DEEPSEEK_OCR_PREFILL_GRAPHS", "0", ON_OFF,
+           "every prefill launched eagerly, kernel by kernel (decoder); 1: a one-sequence prefill "
+           "replayed from a CUDA graph at its token bucket, off until measured on a GPU"),
     Switch("DEEPSEEK_OCR_SPLIT_ARGMAX", "1", ON_OFF,
            "a decode step's greedy pick of few rows as one argmax over the vocabulary (decoder), "
            "not a max per chunk of it, then the chunks' argmax"),

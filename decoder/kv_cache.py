@@ -132,23 +132,26 @@ class KVCache:
         self._dirty = False
 
     # -- used by the model's attention -------------------------------------------------------
-    def write_prefill(self, layer: int, first_row: int, k, v) -> None:
+    def write_prefill(self, layer: int, first_row: int, k, v, table=None) -> None:
         """k, v [B, H, T, d] of rows first_row.. at positions 0..T-1 (right-padded rows: the
-        positions past a row's pages go to the scratch page)."""
+        positions past a row's pages go to the scratch page); `table`: those rows' table rows
+        given (a prefill graph's copy), not read from the cache's."""
         b, h, t, d = k.shape
         n = pages_for(t)
-        pages = self.table[first_row:first_row + b, :n].reshape(-1).long()
+        rows = self.table[first_row:first_row + b] if table is None else table
+        pages = rows[:, :n].reshape(-1).long()
         for cache, new in ((self.k, k), (self.v, v)):
             paged = F.pad(new, (0, 0, 0, n * PAGE_TOKENS - t)).view(b, h, n, PAGE_TOKENS, d)
             cache[layer][pages] = paged.transpose(1, 2).reshape(b * n, h, PAGE_TOKENS, d)
 
     def rope_and_write(self, layer: int, qkv, cos, sin, n_heads: int, first_row: int = 0,
-                       positions=None):
-        """RoPE and `write_prefill` (rows first_row.., positions 0..T-1) or `write_decode` (rows
-        0..S-1 at `positions`) in one kernel (decoder/triton_rope.py): qkv [B, T, 3 n d] the
-        packed projection -> rotated q and k [B, T, 2n, d], with k and v in the rows' pages."""
+                       positions=None, table=None):
+        """RoPE and `write_prefill` (rows first_row.., positions 0..T-1; or the rows of `table`)
+        or `write_decode` (rows 0..S-1 at `positions`) in one kernel (decoder/triton_rope.py):
+        qkv [B, T, 3 n d] the packed projection -> rotated q and k [B, T, 2n, d], with k and v
+        in the rows' pages."""
         from .triton_rope import rope_and_write_cache
-        rows = self.table[first_row:first_row + qkv.shape[0]]
+        rows = self.table[first_row:first_row + qkv.shape[0]] if table is None else table
         return rope_and_write_cache(qkv, cos, sin, self.k[layer], self.v[layer], rows, n_heads, positions)
 
     def write_decode(self, layer: int, positions, k, v) -> None:

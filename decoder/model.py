@@ -107,6 +107,9 @@ class CacheStep:
     positions: torch.Tensor | None = None  # decode: [S] position of each row's new token
     kv_len: int = 0  # decode: every position < kv_len (a static bound: the graph's context)
     prompt_lens: torch.Tensor | None = None  # decode, R-SWA models: [S] each row's prompt length
+    # prefill: the rows' page-table rows [B, pages] to write, in place of the cache's rows
+    # slot..slot+B-1 (a prefill graph's static copy of its sequence's row: prefill_graphs.py)
+    table: torch.Tensor | None = None
 
 
 def packed_linear(x, weight, parts: int, fused: bool) -> tuple[torch.Tensor, ...]:
@@ -141,7 +144,7 @@ class Attention(nn.Module):
                                                 or (self.rope_kernel == "auto" and x.is_cuda)):
             qkv = F.linear(x, self.qkv_proj.weight)  # q and k rotated, k and v cached, in one pass
             qk = step.cache.rope_and_write(layer, qkv, cos, sin, self.n_heads, first_row=step.slot or 0,
-                                           positions=None if prefill else step.positions)
+                                           positions=None if prefill else step.positions, table=step.table)
             q, k = qk[:, :, :self.n_heads].transpose(1, 2), qk[:, :, self.n_heads:].transpose(1, 2)
             v = qkv.view(bsz, t, 3 * self.n_heads, self.head_dim)[:, :, 2 * self.n_heads:].transpose(1, 2)
         else:
@@ -155,7 +158,7 @@ class Attention(nn.Module):
                            for p in packed_linear(x, self.qkv_proj.weight, 3, False))
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             if prefill:
-                step.cache.write_prefill(layer, step.slot, k, v)
+                step.cache.write_prefill(layer, step.slot, k, v, table=step.table)
             elif step is not None:
                 step.cache.write_decode(layer, step.positions, k[:, :, 0], v[:, :, 0])
         if step is None or prefill:  # whole sequence, causal or R-SWA (rows never see their pads)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from common import switches
 from common.triton_compile import compile_ahead
 
 from .kv_cache import KVCache
@@ -30,6 +31,12 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class ModelRunner:
+    # CUDA graphs of a one-sequence prefill at token buckets (decoder/prefill_graphs.py), captured
+    # after the decode graphs: the eager prefill of a page is bound by its ~560 launches. Off by
+    # default until measured on a GPU (DEEPSEEK_OCR_PREFILL_GRAPHS=1 turns them on); off, every
+    # prefill runs eagerly (the reference twin).
+    prefill_graphs_on = switches.on("DEEPSEEK_OCR_PREFILL_GRAPHS")
+
     def __init__(self, model: Decoder, cache: KVCache, max_batch: int, max_len: int,
                  decode_graphs: bool | None = None):
         self.model, self.cache, self.max_batch, self.max_len = model, cache, max_batch, max_len
@@ -42,6 +49,8 @@ class ModelRunner:
                              f"{model.device}")
         self.use_decode_graphs = graphable if decode_graphs is None else decode_graphs
         self.decode_graphs = None
+        self.prefill_graphs = None  # PrefillGraphs, where `prefill_graphs_on` (prepare() captures them)
+        self._prefill_graphable = graphable and model.args.sliding_window is None
         self.sampler_graphs = None  # pick_tokens per batch bucket, captured with the decode graphs
         self._warmed_prefill = False
         self.compile_ahead_s = 0.0  # the Triton kernels compiled on threads before capture
@@ -74,6 +83,10 @@ class ModelRunner:
         if warm_prefill:
             self._first_forwards(capture=False, warm_prefill=True)
             self._warmed_prefill = True
+        if self.prefill_graphs_on and self._prefill_graphable and self.prefill_graphs is None:
+            # Their capture writes the scratch page only (a zero table row): any time will do.
+            from .prefill_graphs import PrefillGraphs
+            self.prefill_graphs = PrefillGraphs(self.model, self.cache, self.max_len)
 
     @torch.inference_mode()
     def _first_forwards(self, capture: bool, warm_prefill: bool) -> None:
@@ -114,6 +127,8 @@ class ModelRunner:
             placeholders = ((ids == IMAGE_TOKEN_ID) & prompt).flatten().nonzero()[:, 0]
             images = torch.cat([to_device(e, device) for e in images]).to(embeds.dtype)
             embeds.view(-1, embeds.shape[-1]).index_copy_(0, to_device(placeholders, device), images)
+        if self.prefill_graphs is not None and len(seqs) == 1 and self.prefill_graphs.fits(lengths[0]):
+            return self.prefill_graphs.run(embeds, slot)
         last = to_device(torch.tensor(lengths) - 1, device)
         # R-SWA: a resumed sequence's context holds generated tokens, which see only the prompt
         # and their last `window` (a fresh prompt's pass is plain causal: no mask is built).

@@ -6,13 +6,15 @@ import pytest
 import torch
 
 from tests.conftest import run_in_triton_interpreter
-from decoder.checkpoint import load_decoder
+from decoder.checkpoint import load_decoder, random_decoder
+from decoder.config import DecoderArgs
 from deployments.model_source import write_random_model
 from decoder.async_engine import AsyncEngine
 from decoder.engine import GenerationEngine, GenerationRequest, SamplingParams
 from decoder.kv_cache import PAGE_TOKENS, KVCache, gathered_decode_attention, pages_for
 from decoder.ngram import NGramConfig
 from decoder.tokenizer import IMAGE_TOKEN_ID, ByteTokenizer, build_prompt
+from tests.helpers import rel_err
 
 OFF = NGramConfig.off()
 
@@ -391,6 +393,85 @@ def test_a_prefill_behind_the_decode_step_gives_its_first_token_a_step_later(mod
     assert len(engine.running) == 2 and not engine.running[1].tokens
     assert sorted(d.request_id for d in engine.step()) == sorted([first.request_id, later.request_id])
     assert [len(s.tokens) for s in engine.running] == [3, 1]
+
+
+def test_prefill_graph_path_equals_the_eager_prefill(model, tokenizer):
+    """`PrefillGraphs`' path run on a CPU (its static buffers and forward, without capture): a
+    one-sequence prefill right-padded with zeros to its token bucket, its row of the page table
+    copied, its last real position's logits taken. The logits equal the eager prefill's, and an
+    engine taking that path generates what the eager engine does, alone and behind decode steps
+    (groups of several and prompts past the largest bucket stay eager)."""
+    from decoder.prefill_graphs import PrefillGraphs
+    want = GenerationEngine(model, tokenizer, max_batch=2, max_len=2048).generate(requests(tokenizer))
+    engine = GenerationEngine(model, tokenizer, max_batch=2, max_len=2048)
+    graphs = PrefillGraphs(model, engine.cache, engine.max_len, buckets=(256, 384, 1280), use_graphs=False)
+    engine.runner.prefill_graphs = graphs
+    replayed = []
+    run = graphs.run
+    graphs.run = lambda embeds, row: replayed.append(embeds.shape[1]) or run(embeds, row)
+    got = engine.generate(requests(tokenizer))
+    assert [d.token_ids for d in got] == [d.token_ids for d in want]
+    assert replayed and max(replayed) > 384, replayed  # padded to 1,280 at least once
+    # One prefill both ways: its logits, and its keys and values at the real positions.
+    results = []
+    for path in ("eager", "graphs"):
+        engine = GenerationEngine(model, tokenizer, max_batch=2, max_len=2048)
+        if path == "graphs":
+            engine.runner.prefill_graphs = PrefillGraphs(model, engine.cache, engine.max_len, use_graphs=False)
+        engine.add(requests(tokenizer)[2])  # 1,200-odd tokens: padded to 1,280
+        group = engine.scheduler.next_prefill_group()
+        engine.scheduler.place(group)
+        with torch.inference_mode():
+            logits = engine.runner.prefill(group)
+        pages, length = engine.cache._pages[0], group[0].length
+        keys = engine.cache.k[:, pages].transpose(1, 2).flatten(2, 3)[:, :, :length]
+        results.append((logits, keys))
+    (eager_logits, eager_keys), (logits, keys) = results
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(keys, eager_keys, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="R-SWA"):
+        PrefillGraphs(random_decoder(DecoderArgs.tiny(sliding_window=8)), engine.cache, 1024, use_graphs=False)
+
+
+@pytest.mark.gpu
+def test_prefill_graphs_match_the_eager_prefill_on_gpu(monkeypatch):
+    """Real dims, bf16: a page-sized prompt (903 image tokens) prefilled by its bucket's graph
+    against the eager prefill: the logits and the keys cached at its positions within bf16
+    rounding. Then an engine with the graphs on generates requests that join behind decode
+    steps to their end, replaying the graphs."""
+    from decoder.prefill_graphs import PrefillGraphs
+    from decoder.running import ModelRunner
+    model = random_decoder(DecoderArgs(), device="cuda", dtype=torch.bfloat16)
+    tokenizer = ByteTokenizer()
+    ids = build_prompt(tokenizer, "<image>\nFree OCR.", [903])
+    image = torch.randn(903, model.args.hidden, generator=torch.Generator().manual_seed(0)) * 0.05
+    results = []
+    for graphs in (False, True):
+        monkeypatch.setattr(ModelRunner, "prefill_graphs_on", graphs)
+        engine = GenerationEngine(model, tokenizer, max_batch=4, max_len=2048)
+        engine.prepare()
+        assert (engine.runner.prefill_graphs is not None) == graphs
+        engine.add(GenerationRequest(ids, [image], SamplingParams(max_tokens=8)))
+        group = engine.scheduler.next_prefill_group()
+        engine.scheduler.place(group)
+        with torch.inference_mode():
+            logits = engine.runner.prefill(group).float()
+        pages, length = engine.cache._pages[0], group[0].length
+        results.append((logits, engine.cache.k[:, pages].transpose(1, 2).flatten(2, 3)[:, :, :length].float()))
+    (eager_logits, eager_keys), (logits, keys) = results
+    logit_err, key_err = rel_err(logits, eager_logits), rel_err(keys, eager_keys)
+    print(f"prefill graph vs eager: logits {logit_err:.2e}, keys {key_err:.2e}")
+    assert logit_err <= 1e-2 and key_err <= 1e-2
+    engine = GenerationEngine(model, tokenizer, max_batch=2, max_len=2048)  # the switch still on
+    engine.prepare()
+    graphs, replays = engine.runner.prefill_graphs, []
+    graphs.run = lambda embeds, row: replays.append(embeds.shape[1]) or PrefillGraphs.run(graphs, embeds, row)
+    sizes = (903, 273, 100, 400)
+    done = engine.generate([
+        GenerationRequest(build_prompt(tokenizer, "<image>\nFree OCR.", [n]), [image[:n]],
+                          SamplingParams(max_tokens=12 + 4 * i, ignore_eos=True))
+        for i, n in enumerate(sizes)])
+    assert [len(d.token_ids) for d in done] == [12, 16, 20, 24] and len(replays) >= 2, replays
 
 
 def test_decode_graphs_need_bf16_cuda(model, tokenizer):
