@@ -285,9 +285,9 @@ class Experts(nn.Module):
         """x [N, H] -> the routed experts' weighted sum plus the shared experts' MLP, in the two
         Triton kernels: the shared MLP's weights read in place as experts E.. that every token
         picks with weight 1, and for decode batches the gate and the routing in one kernel as
-        well (decoder/triton_route.py). In fp32, as the kernels sum it: the next norm's kernel adds
-        it to the residual stream (`RMSNorm.add_and_norm`), so no kernel rounds it to x's dtype
-        first. The reference: `forward` + `shared(x)`."""
+        well (decoder/triton_route.py). In fp32, as the kernels sum it: the next norm's kernel
+        adds it to the residual stream (`RMSNorm.add_and_norm`), so no kernel rounds it to x's
+        dtype first. The reference: `forward` + `shared(x)`."""
         from . import triton_route
         from .triton_moe import fused_experts
         n_shared = shared.down_proj.weight.shape[1] // self.down_proj.shape[2]

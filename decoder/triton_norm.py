@@ -6,9 +6,9 @@ and each norm as its own kernel, 48 kernels a decode step that move a few KB eac
 of few sequences is bound by how many kernels run. Here one program takes ROWS rows: the sum
 rounded to the activations' dtype (what the separate add stores) and stored, then normalised in
 fp32 and scaled by the weight, rounded once. Only the order of the fp32 sums differs from torch's
-`x + delta` then `F.rms_norm`, the reference twin (`RMSNorm.kernel = "torch"`). The output added may come in fp32
-(the fused MoE kernels' sum), added before any rounding: one rounding fewer than the reference,
-which rounds it to the activations' dtype first.
+`x + delta` then `F.rms_norm`, the reference twin (`RMSNorm.kernel = "torch"`). The output added
+may come in fp32 (the fused MoE kernels' sum), added before any rounding: one rounding fewer than
+the reference, which rounds it to the activations' dtype first.
 """
 from __future__ import annotations
 
