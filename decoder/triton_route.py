@@ -103,5 +103,6 @@ def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, scaling: float, n_sha
                   gate.stride(0), scaling, E=experts, TOP_K=top_k, N_SHARED=n_shared,
                   E_POW2=max(16, triton.next_power_of_2(experts)),  # a dot's dimensions are >= 16
                   ALL_POW2=triton.next_power_of_2(experts + n_shared), BLOCK_T=block_t, BLOCK_H=BLOCK_H,
-                  PAIRS=triton.next_power_of_2(block_t * k_all), IEEE=x.dtype == torch.float32, num_warps=4)
+                  PAIRS=max(16, triton.next_power_of_2(n * k_all)),  # the sort's keys: 16 at one token
+                  IEEE=x.dtype == torch.float32, num_warps=4)
     return weights, order, ends
