@@ -32,9 +32,9 @@ SWITCHES = {s.name: s for s in (
            "`augmented`: the bias as extra q/k columns in SDPA, as `fused` does without Triton"),
     Switch("DEEPSEEK_OCR_WINDOW_KERNEL", "1", ON_OFF,
            "SAM's windows padded and partitioned before the attention kernel, not read in place", triton=True),
-    Switch("DEEPSEEK_OCR_NORM_KERNEL", "1", ON_OFF, "torch's norms and residual adds (encoder's LayerNorm and Qwen2 RMSNorm, decoder's RMSNorm: "
-           "triton_norm.py in each)",
-           triton=True),
+    Switch("DEEPSEEK_OCR_NORM_KERNEL", "1", ON_OFF,
+           "torch's norms and residual adds (encoder's LayerNorm and Qwen2 RMSNorm, decoder's RMSNorm: "
+           "triton_norm.py in each)", triton=True),
     Switch("DEEPSEEK_OCR_ACTIVATION_KERNEL", "1", ON_OFF,
            "torch's quick_gelu in CLIP and SiLU(gate) * up in DeepSeek-OCR 2's Qwen2 MLP "
            "(encoder/triton_activation.py)",
