@@ -63,7 +63,8 @@ SWITCHES = {s.name: s for s in (
     Switch("DEEPSEEK_OCR_PAGED_ATTENTION", "auto", ("auto", "triton", "gather"),
            "`gather`: each sequence's KV pages gathered, then SDPA (decoder); `auto`: Triton on CUDA", triton=True),
     Switch("DEEPSEEK_OCR_FUSED_PROJECTIONS", "1", ON_OFF,
-           "the decoder's released separate q/k/v and gate/up matmuls, not one packed matmul each"),
+           "the decoder's released separate q/k/v and gate/up matmuls, and DeepSeek-OCR 2's "
+           "Qwen2 q/k/v (encoder), not one packed matmul each"),
     Switch("DEEPSEEK_OCR_SPLIT_FLOW_ATTENTION", "0", ON_OFF,
            "DeepSeek-OCR 2's Qwen2 attention in one SDPA with its boolean mask; 1: two mask-free "
            "SDPAs (image rows; query rows causal lower-right), off until measured on a GPU"),

@@ -127,6 +127,10 @@ def flow_attention(q, k, v, mask: torch.Tensor, n_image: int, split: bool) -> to
 class Qwen2Attention(nn.Module):
     """Grouped-query attention: q, k, v with biases, o without (Qwen2's attention_bias)."""
 
+    # q, k and v in one matmul of their stacked weights (`packed_qkv`): k's and v's 128 columns
+    # alone make narrow matmuls; DEEPSEEK_OCR_FUSED_PROJECTIONS=0: the released three (the twin).
+    fused = switches.on("DEEPSEEK_OCR_FUSED_PROJECTIONS")
+
     def __init__(self, args: EncoderV2Args):
         super().__init__()
         self.split_flow = SPLIT_FLOW  # `flow_attention`'s split (tests set it per module)
@@ -136,10 +140,28 @@ class Qwen2Attention(nn.Module):
         self.v_proj = nn.Linear(args.qwen2_width, self.kv_heads * self.head_dim)
         self.o_proj = nn.Linear(self.heads * self.head_dim, args.qwen2_width, bias=False)
 
+    def packed_qkv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q, k and v projections' weights and biases stacked: made once, and again when one
+        of them changes (a load writes them in place, which moves their versions; `.to()` makes
+        new tensors). A copy beside the parameters (2 MB a layer at real dims), so the
+        checkpoint's keys and the modules stay as released."""
+        parts = [t for proj in (self.q_proj, self.k_proj, self.v_proj) for t in (proj.weight, proj.bias)]
+        key = [(t.data_ptr(), t._version) for t in parts]
+        if getattr(self, "_packed_key", None) != key:
+            self._packed = (torch.cat([t.detach() for t in parts[0::2]]), torch.cat([t.detach() for t in parts[1::2]]))
+            self._packed_key = key
+        return self._packed
+
     def forward(self, x, cos, sin, mask, n_image: int):
         bsz, seqlen, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if ROPE_KERNEL and sam_model._takes(q, True):
+        if self.fused:  # column slices of one output: rows strided, as the RoPE kernel takes them
+            projected = F.linear(x, *self.packed_qkv())
+            q, k, v = projected.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                                       self.kv_heads * self.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            projected = q
+        if ROPE_KERNEL and sam_model._takes(projected, True):
             from .triton_rope import rope  # Triton is importable where _takes holds
             q, k = rope(q, cos, sin, self.head_dim), rope(k, cos, sin, self.head_dim)
             q = q.view(bsz, seqlen, self.heads, self.head_dim).transpose(1, 2)

@@ -211,6 +211,30 @@ def test_encoder_with_split_flow_attention_equals_the_reference():
         assert rel_err(got, want) < 1e-5
 
 
+def test_packed_qkv_equals_the_released_projections():
+    """The Qwen2 stage with q, k and v in one matmul of their stacked weights (the default)
+    against the released three matmuls (`Qwen2Attention.fused = False`), fp32; the stack made
+    again once a load has changed the weights."""
+    from encoder.qwen2_model import Qwen2Encoder
+    args = EncoderV2Args.tiny()
+    encoder = Qwen2Encoder(args)
+    features = torch.randn(2, args.qwen2_width, 12, 12, generator=torch.Generator().manual_seed(0))
+    attention = encoder.model.model.layers[0].self_attn
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        encoder.load_state_dict({k: torch.randn_like(v) * 0.2 for k, v in encoder.state_dict().items()})
+        with torch.inference_mode():
+            packed = encoder(features)
+            stacked = attention.packed_qkv()[0]
+            for layer in encoder.model.model.layers:
+                layer.self_attn.fused = False
+            released = encoder(features)
+            for layer in encoder.model.model.layers:
+                layer.self_attn.fused = True
+        assert torch.equal(stacked[:attention.q_proj.out_features], attention.q_proj.weight)
+        assert rel_err(packed, released) < 1e-6
+
+
 QWEN2_KERNELS_IN_INTERPRETER = """
 import torch
 import torch.nn.functional as F
