@@ -44,7 +44,7 @@ class PrefillGraphs:
         if use_graphs and not (model.device.type == "cuda" and model.dtype == torch.bfloat16):
             raise ValueError("prefill graphs need a bf16 model on CUDA")
         self.model, self.cache = model, cache
-        self.buckets = [b for b in sorted(buckets) if b <= max_len]
+        self.buckets = [b for b in sorted(buckets) if b <= max_len] or [max_len]
         device = model.device
         self.embeds = torch.zeros(1, self.buckets[-1], model.args.hidden, device=device, dtype=model.dtype)
         self.last = torch.zeros(1, dtype=torch.long, device=device)
