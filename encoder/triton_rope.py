@@ -20,6 +20,20 @@ from common.triton_compile import launch_kernel
 
 
 @triton.jit
+def _rounded(v, dtype: tl.constexpr):
+    """fp32 v rounded to dtype (to nearest even), kept in fp32. bf16 by its bits: as a cast, the
+    compiler turned bf16 products and sums into fused multiply-adds on an H100, which skip the
+    rounding of x * cos that torch stores (1 ulp apart on an H100). fp16 (the interpreter's
+    tests) by the cast; the model runs bf16 on GPUs."""
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _rope_fwd(X, COS, SIN, Y, seqlen, heads, sx, sy,
               HEAD_DIM: tl.constexpr, HEADS_POW2: tl.constexpr):
     row = tl.program_id(0)
@@ -33,8 +47,8 @@ def _rope_fwd(X, COS, SIN, Y, seqlen, heads, sx, sy,
     rotated = tl.where(d < half, -partner.to(tl.float32), partner.to(tl.float32))  # [-x2, x1]
     cos = tl.load(COS + t * HEAD_DIM + d).to(tl.float32)
     sin = tl.load(SIN + t * HEAD_DIM + d).to(tl.float32)
-    a = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
-    b = (rotated * sin).to(x.dtype).to(tl.float32)
+    a = _rounded(x.to(tl.float32) * cos, x.dtype)
+    b = _rounded(rotated * sin, x.dtype)
     tl.store(Y + row.to(tl.int64) * sy + h * HEAD_DIM + d, (a + b).to(x.dtype), mask=mask)
 
 

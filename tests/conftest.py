@@ -70,10 +70,15 @@ def run_in_triton_interpreter(code: str, timeout: int = 600) -> str:
     stdout; a non-zero exit fails the test with its stderr."""
     import subprocess
     import sys
+    import tempfile
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
-    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=timeout)
+    # From a file, not `-c`: triton.jit reads its kernel's source, so `code` may define kernels.
+    with tempfile.NamedTemporaryFile("w", suffix=".py") as script:
+        script.write(code)
+        script.flush()
+        run = subprocess.run([sys.executable, script.name], env=env, cwd=root, capture_output=True,
+                             text=True, timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
 

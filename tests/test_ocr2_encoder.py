@@ -251,6 +251,25 @@ for heads in (14, 2):
     want = apply_rope(x.view(3, 20, heads, 64).transpose(1, 2), cos, sin)
     got = rope(x, cos, sin, 64).view(3, 20, heads, 64).transpose(1, 2)
     assert torch.equal(got, want), float((got.float() - want.float()).abs().max())
+# bf16's rounding by the bits (the interpreter has no bf16 tensors: fp32 in, fp32 out), against
+# torch's cast: ties to even both ways, signs, subnormals, the largest finite values and inf.
+import triton
+import triton.language as tl
+from encoder.triton_rope import _rounded
+
+
+@triton.jit
+def _round_bf16(X, Y, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(Y + offs, _rounded(tl.load(X + offs, mask=offs < n), tl.bfloat16), mask=offs < n)
+
+
+ties = torch.tensor([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, -(1 + 2.0 ** -8), 2.0 ** -130 * 1.5])
+values = torch.cat([ties, torch.randn(4000) * 10.0 ** torch.randint(-30, 30, (4000,)),
+                    torch.tensor([3.3895e38, -3.3895e38, float("inf"), -float("inf"), 0.0, -0.0])])
+rounded = torch.empty_like(values)
+_round_bf16[(1,)](values, rounded, values.numel(), BLOCK=triton.next_power_of_2(values.numel()))
+assert torch.equal(rounded, values.bfloat16().float())
 # SiLU(gate) * up (the interpreter's exp is numpy's, not libdevice's: within a rounding)
 gate, up = torch.randn(5, 4864).half(), torch.randn(5, 4864).half()
 assert torch.allclose(silu_mul(gate, up).float(), (F.silu(gate.float()).half() * up).float(), rtol=2e-3, atol=2e-3)
