@@ -19,8 +19,8 @@ decoder/triton_moe.py's fused kernels, which the engine runs) and
 `decode_graphs_torch_rope` (RoPE and the KV-cache writes as torch ops, the reference twin of
 decoder/triton_rope.py); `decode_graphs_unfused_routing`, `decode_graphs_torch_norm` (the
 routing and the norms' reference twins); `decode_graphs_prefill_first` (the engine's former
-order: a prefill first, then the decode step); `decode_graphs_prefill_graphs` (one-sequence
-prefills replayed from CUDA graphs, DEEPSEEK_OCR_PREFILL_GRAPHS=1). `--code DIR`
+order: a prefill first, then the decode step); `decode_graphs_eager_prefill` (every prefill
+launched eagerly: DEEPSEEK_OCR_PREFILL_GRAPHS=0, the twin of the prefill graphs). `--code DIR`
 imports the decoder package from DIR instead (an older checkout, for an A/B in one run on one
 machine).
 
@@ -123,7 +123,7 @@ def main(argv=None):
                                  "decode_graphs_grouped_mm", "decode_graphs_prefill_grouped_mm",
                                  "decode_graphs_torch_rope", "decode_graphs_unfused_routing",
                                  "decode_graphs_torch_norm", "decode_graphs_prefill_first",
-                                 "decode_graphs_prefill_graphs"])
+                                 "decode_graphs_eager_prefill"])
     parser.add_argument("--code", help="import the decoder package from this directory")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per concurrency "
                         "(median; default 3, --smoke 1)")
@@ -205,8 +205,8 @@ def make_engine(model, tokenizer, variant: str, max_batch: int, max_len: int):
         engine.cache.kernel = "gather"  # before the first step captures the graphs
     if hasattr(engine, "prefill_behind_decode"):  # the old order: prefill, pick, then decode
         engine.prefill_behind_decode = variant != "decode_graphs_prefill_first"
-    if variant == "decode_graphs_prefill_graphs":  # DEEPSEEK_OCR_PREFILL_GRAPHS=1's path
-        engine.runner.prefill_graphs_on = True  # before the first step captures them
+    if variant == "decode_graphs_eager_prefill":  # DEEPSEEK_OCR_PREFILL_GRAPHS=0's path
+        engine.runner.prefill_graphs_on = False  # before prepare() captures them
     # Older code (--code) has no packed projections to unpack.
     if hasattr(model, "use_fused_projections"):
         model.use_fused_projections(variant != "decode_graphs_separate")
