@@ -3,13 +3,16 @@ bench/tune/ (CUDA, except the wall clock helpers, which also time CPU smoke runs
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
+import subprocess
 import time
 
 import torch
 
+from common import switches
 from common.cuda_graphs import capture_graph
 
 
@@ -104,7 +107,35 @@ def write_result(out_dir: str, stem: str, result: dict) -> str:
     return _write_json(os.path.join(out_dir, f"{stem}-{result['date']}.json"), result)
 
 
+def code_state() -> dict:
+    """What ran: every switch's setting in this process (the replicas of an end-to-end run
+    inherit them; the shipped YAMLs set none), the git commit where there is one (the GPU
+    machine gets a copy without .git), and a digest of the repository's Python sources."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for folder in ("common", "decoder", "deployments", "documents", "encoder", "scheduler", "corpus", "bench"):
+        for dirpath, dirnames, filenames in sorted(os.walk(os.path.join(root, folder))):
+            dirnames.sort()
+            for name in sorted(f for f in filenames if f.endswith(".py")):
+                path = os.path.join(dirpath, name)
+                digest.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    digest.update(f.read())
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    return {"switches": {name: switches.value(name) for name in switches.SWITCHES},
+            "commit": commit, "uncommitted_changes": dirty if commit else None,
+            "python_sources_sha256": digest.hexdigest()}
+
+
 def _write_json(path: str, result: dict) -> str:
+    if "code" not in result:
+        result["code"] = code_state()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=2)

@@ -201,3 +201,19 @@ def test_decoder_step_bytes_count_the_experts_a_batch_touches():
     assert alone == {"weights": pytest.approx(1000 + 2 * 6 * 10 + 1), "kv": 1000}
     crowd = decoder_bench.step_bytes(weights, 256, 0, kv_bytes_per_token=2)
     assert crowd["weights"] == pytest.approx(1000 + 2 * 64 * 10 + 256, rel=1e-6)  # every expert
+
+
+def test_every_result_records_the_switches_and_the_code(tmp_path, monkeypatch):
+    """Each JSON a bench writes names every switch's setting in its process (an override
+    included) and the code it ran: the commit where git answers, a digest of the sources."""
+    from bench.common import write_result
+    from common.switches import SWITCHES
+    monkeypatch.setenv("DEEPSEEK_OCR_PREFILL_GRAPHS", "0")
+    first = json.loads(open(write_result(str(tmp_path), "probe", {"date": "d", "summary": {}})).read())
+    code = first["code"]
+    assert set(code["switches"]) == set(SWITCHES) and code["switches"]["DEEPSEEK_OCR_PREFILL_GRAPHS"] == "0"
+    assert code["switches"]["DEEPSEEK_OCR_SPLIT_ARGMAX"] == SWITCHES["DEEPSEEK_OCR_SPLIT_ARGMAX"].default
+    assert len(code["python_sources_sha256"]) == 64
+    assert code["commit"] is None or len(code["commit"]) == 40
+    again = json.loads(open(write_result(str(tmp_path), "probe2", {"date": "d", "code": {"kept": 1}})).read())
+    assert again["code"] == {"kept": 1}  # a result that names its code keeps it
