@@ -102,6 +102,17 @@ def rel_err(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def evict_from_page_cache(directory: str) -> None:
+    """Drop the files' pages from the page cache (written back first: dirty pages stay)."""
+    for path in (os.path.join(folder, name) for folder, _, names in os.walk(directory) for name in names):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def write_result(out_dir: str, stem: str, result: dict) -> str:
     """bench/results/<stem>-<date>.json; prints the summary (the reply's tail) and the path."""
     return _write_json(os.path.join(out_dir, f"{stem}-{result['date']}.json"), result)

@@ -26,6 +26,11 @@ machine).
 
     python bench/decoder_bench.py --workload realistic [--levels 64,256] [--name decoder-realistic]
     python bench/decoder_bench.py --smoke          # CPU, tiny model: the realistic mode, checked
+    python bench/decoder_bench.py --workload load  # the weights from disk: streamed vs mapped
+
+`--workload load`: `load_decoder` of a real-dims checkpoint the bench writes (random bf16, two
+shards) onto the GPU with each reader of DEEPSEEK_OCR_STREAM_WEIGHTS in turn, each from a cold
+page cache and then a warm one, `--repeats` times (medians).
 
 `--workload realistic`: the contexts pages really have, against the memory-bandwidth bound.
 Requests are bench/workload.py's pages (`--seed`): the app's default prompt with each page's
@@ -55,7 +60,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.common import RESULTS, sync, time_ms, wall_ms, write_result  # noqa: E402
+from bench.common import RESULTS, evict_from_page_cache, sync, time_ms, wall_ms, write_result  # noqa: E402
 from bench.workload import describe, draw_specs, image_tokens  # noqa: E402
 
 PROMPT, IMAGE, GENERATED = 1000, 903, 512
@@ -127,9 +132,10 @@ def main(argv=None):
     parser.add_argument("--code", help="import the decoder package from this directory")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per concurrency "
                         "(median; default 3, --smoke 1)")
-    parser.add_argument("--workload", default="fixed", choices=("fixed", "realistic"),
+    parser.add_argument("--workload", default="fixed", choices=("fixed", "realistic", "load"),
                         help="fixed: 1,000-token prompts, 512 tokens each; realistic: bench/workload.py's "
-                        "pages against the memory-bandwidth bound")
+                        "pages against the memory-bandwidth bound; load: the weights read from a "
+                        "checkpoint on disk onto the GPU, streamed against safetensors' mapping")
     parser.add_argument("--levels", default=",".join(map(str, REALISTIC_LEVELS)),
                         help="realistic: sequences in flight, e.g. 64,256")
     parser.add_argument("--seed", type=int, default=0, help="realistic: the workload's seed")
@@ -139,10 +145,12 @@ def main(argv=None):
     parser.add_argument("--profile-only", action="store_true", help="realistic: only the profile (no "
                         "timed runs), written as <name>-profile")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, fp32: the realistic "
-                        "mode at 2 and 4 in flight, each request asking for 1/100 of its tokens")
+                        "mode at 2 and 4 in flight, each request asking for 1/100 of its tokens (with "
+                        "--workload load: the tiny checkpoint loaded on CPU)")
     opts = parser.parse_args(argv)
-    realistic = opts.smoke or opts.workload == "realistic"
-    opts.name = opts.name or ("decoder-realistic" if realistic else "decoder")
+    realistic = opts.workload == "realistic" or (opts.smoke and opts.workload != "load")
+    load = opts.workload == "load"
+    opts.name = opts.name or ("decoder-load" if load else "decoder-realistic" if realistic else "decoder")
     opts.variants = opts.variants or (["decode_graphs"] if realistic else ["eager", "decode_graphs"])
     opts.repeats = opts.repeats or (1 if opts.smoke else 3)
     opts.profile = opts.profile or opts.profile_only
@@ -158,6 +166,8 @@ def main(argv=None):
     from decoder.model import CacheStep, Experts
     from decoder.tokenizer import DEFAULT_PROMPT, IMAGE_TOKEN_ID, ByteTokenizer, build_prompt
     print("decoder package:", os.path.dirname(sys.modules["decoder"].__file__), flush=True)
+    if load:
+        return measure_load(opts)
     if realistic:
         return measure_realistic(opts)
     args = DecoderArgs()
@@ -176,6 +186,54 @@ def main(argv=None):
             print(name, "failed:", variants[name]["error"], flush=True)
         torch.cuda.empty_cache()
         write(opts, variants, weights_gb)  # after each variant: a cut-off run keeps what it has
+
+
+def measure_load(opts) -> None:
+    """`load_decoder` of a real-dims checkpoint (random bf16 weights, written here) onto the GPU,
+    its files dropped from the page cache before each load (a cold start's read) and kept in it
+    for one more (the copy alone), by each reader in turn (DEEPSEEK_OCR_STREAM_WEIGHTS; the
+    switch is read at each load), `opts.repeats` times; medians. --smoke: the tiny model on CPU."""
+    import tempfile
+
+    from decoder.checkpoint import load_decoder, write_random_checkpoint
+    readers = {"streamed": "1", "mapped": "0"}
+    device, dtype = ("cpu", torch.float32) if opts.smoke else ("cuda", torch.bfloat16)
+    with tempfile.TemporaryDirectory() as directory:
+        start = time.perf_counter()
+        write_random_checkpoint(directory, DecoderArgs.tiny() if opts.smoke else DecoderArgs(), num_shards=2)
+        written_s = time.perf_counter() - start
+        runs = {f"{name}_{cache}": [] for name in readers for cache in ("cold", "warm")}
+        for _ in range(opts.repeats):
+            for name, setting in readers.items():
+                os.environ["DEEPSEEK_OCR_STREAM_WEIGHTS"] = setting
+                for cache in ("cold", "warm"):
+                    if cache == "cold":
+                        evict_from_page_cache(directory)
+                    timings, start = {}, time.perf_counter()
+                    model = load_decoder(directory, device=device, dtype=dtype, timings=timings)
+                    runs[f"{name}_{cache}"].append({"seconds": time.perf_counter() - start, **timings})
+                    del model
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+        os.environ.pop("DEEPSEEK_OCR_STREAM_WEIGHTS")
+    median = {key: statistics.median(r["seconds"] for r in rows) for key, rows in runs.items()}
+    gb = runs["streamed_cold"][0]["gb"]
+    summary = {**{f"{key}_s": s for key, s in median.items()}, "gb": gb,
+               "streamed_cold_gb_per_s": gb / median["streamed_cold"],
+               "mapped_cold_gb_per_s": gb / median["mapped_cold"],
+               "speedup_cold": median["mapped_cold"] / median["streamed_cold"],
+               "speedup_warm": median["mapped_warm"] / median["streamed_warm"]}
+    for key, s in median.items():
+        print(f"{key}: {s:.2f} s ({gb / s:.2f} GB/s)", flush=True)
+    write_result(opts.out, f"{opts.name}-smoke" if opts.smoke else opts.name, {
+        "benchmark": "the decoder's weights from disk onto the GPU, streamed reads against safetensors' mapping",
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+        "workload": {"checkpoint": f"DecoderArgs{'.tiny()' if opts.smoke else '()'} dims, random bf16, "
+                     f"2 shards, written by the bench ({written_s:.1f} s)", "repetitions": opts.repeats,
+                     "cold": "posix_fadvise DONTNEED on every file before the load",
+                     "warm": "right after a cold load of the same reader"},
+        "summary": summary, "runs": runs})
 
 
 def measure(model, tokenizer, args, embeds, max_len, variant, repeats) -> dict:

@@ -74,7 +74,7 @@ import yaml
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-from bench.common import RESULTS, write_result  # noqa: E402
+from bench.common import RESULTS, evict_from_page_cache, write_result  # noqa: E402
 from bench.workload import describe, make_workload, uniform_page, uniform_workload  # noqa: E402
 
 PORT = 8000  # --port: HTTP on 127.0.0.1
@@ -109,17 +109,6 @@ def serve_config(shipped: str, path: str, checkpoint: str | None) -> dict:
     with open(path, "w") as f:
         yaml.safe_dump(config, f)
     return overrides
-
-
-def evict_from_page_cache(directory: str) -> None:
-    """Drop the files' pages from the page cache (written back first: dirty pages stay)."""
-    for path in (os.path.join(folder, name) for folder, _, names in os.walk(directory) for name in names):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def triton_cache_files() -> int:

@@ -19,6 +19,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from . import switches
+from .safetensors_stream import SafetensorsFormatError, read_header, stream_tensors
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -48,16 +51,17 @@ def checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
         return {k: os.path.join(path, f) for k, f in weight_map.items()}
     single = os.path.join(path, SINGLE_FILE)
     if os.path.isfile(single):
-        with safe_open(single, "pt") as f:
-            return {k: single for k in f.keys()}
+        return {k: single for k in _header(single)}
     raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path!r}")
 
 
 def read_tensors(path, keep: Callable[[str], bool], device="cpu",
                  dtype: torch.dtype | None = None, timings: dict | None = None) -> dict[str, torch.Tensor]:
     """Read the tensors whose keys pass `keep`, opening each shard once; each goes to `device`
-    (floating-point ones to `dtype` too) as it is read, so a GPU load holds one tensor at a time
-    on the host and packs its weights on the device (decoder/checkpoint.py), not in CPU memory.
+    (floating-point ones to `dtype` too) as it is read, so a GPU load never holds the weights
+    on the host and packs them on the device (decoder/checkpoint.py), not in CPU memory. By
+    large sequential reads (common/safetensors_stream.py), or with DEEPSEEK_OCR_STREAM_WEIGHTS=0
+    tensor by tensor from safetensors' mapping (the reference twin).
     `timings` (a dict) receives the seconds spent finding and opening the files (`open`),
     reading from them (`read`) and copying to the device (`to_device`, waited for) and the
     gigabytes read (`gb`): start-up diagnostics."""
@@ -66,12 +70,45 @@ def read_tensors(path, keep: Callable[[str], bool], device="cpu",
     for key, file in checkpoint_files(path).items():
         if keep(key):
             by_file.setdefault(file, []).append(key)
-    tensors, open_s, read_s, copy_s, nbytes = {}, time.perf_counter() - start, 0.0, 0.0, 0
+    open_s = time.perf_counter() - start
+    read = _read_streamed if switches.on("DEEPSEEK_OCR_STREAM_WEIGHTS") else _read_mapped
+    tensors, spent = read(by_file, device, dtype)
+    if timings is not None:
+        start = time.perf_counter()
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        timings.update(open=round(open_s + spent["open"], 2), read=round(spent["read"], 2),
+                       to_device=round(spent["to_device"] + time.perf_counter() - start, 2),
+                       gb=round(spent["bytes"] / 1e9, 2))
+    return tensors
+
+
+def _header(file: str) -> dict[str, dict]:
+    try:
+        return read_header(file)[1]
+    except SafetensorsFormatError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _read_streamed(by_file: dict[str, list[str]], device, dtype) -> tuple[dict, dict]:
+    tensors, spent = {}, {"open": 0.0}
+    for file, keys in by_file.items():
+        try:
+            tensors.update(stream_tensors(file, keys, device, dtype, timings=spent))
+        except SafetensorsFormatError as e:
+            raise CheckpointError(str(e)) from None
+        except KeyError as e:
+            raise CheckpointError(_listing(f"keys listed in the index are not in {file}", e.args[0])) from None
+    return tensors, spent
+
+
+def _read_mapped(by_file: dict[str, list[str]], device, dtype) -> tuple[dict, dict]:
+    tensors, spent = {}, {"open": 0.0, "read": 0.0, "to_device": 0.0, "bytes": 0}
     for file, keys in by_file.items():
         start = time.perf_counter()
         with safe_open(file, "pt") as f:
             present = set(f.keys())
-            open_s += time.perf_counter() - start
+            spent["open"] += time.perf_counter() - start
             absent = [k for k in keys if k not in present]
             if absent:
                 raise CheckpointError(_listing(f"keys listed in the index are not in {file}", absent))
@@ -81,15 +118,10 @@ def read_tensors(path, keep: Callable[[str], bool], device="cpu",
                 read = time.perf_counter()
                 cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
                 tensors[k] = t.to(device=device, dtype=cast)
-                read_s, copy_s = read_s + read - start, copy_s + time.perf_counter() - read
-                nbytes += t.numel() * t.element_size()
-    if timings is not None:
-        start = time.perf_counter()
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize()
-        timings.update(open=round(open_s, 2), read=round(read_s, 2),
-                       to_device=round(copy_s + time.perf_counter() - start, 2), gb=round(nbytes / 1e9, 2))
-    return tensors
+                spent["read"] += read - start
+                spent["to_device"] += time.perf_counter() - read
+                spent["bytes"] += t.numel() * t.element_size()
+    return tensors, spent
 
 
 def check_state_dict(found: dict[str, torch.Tensor], expected: dict[str, torch.Size],

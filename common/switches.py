@@ -81,6 +81,9 @@ SWITCHES = {s.name: s for s in (
     Switch("DEEPSEEK_OCR_RSWA_FREE_PAGES", "1", ON_OFF,
            "Unlimited-OCR's R-SWA gap (past the prompt, before the window) kept in its KV pages "
            "until the sequence leaves (the kernel skips it, the reference masks it)"),
+    Switch("DEEPSEEK_OCR_STREAM_WEIGHTS", "1", ON_OFF,
+           "each weight read through safetensors' file mapping and copied to its device from "
+           "pageable memory, tensor by tensor, not by large reads into pinned buffers"),
     Switch("DEEPSEEK_OCR_KEEP_FREED_MEMORY", "1", ON_OFF,
            "glibc's default allocator settings in the replicas (freed buffers go back to the OS)"),
 )}

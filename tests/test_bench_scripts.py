@@ -148,6 +148,16 @@ def test_decoder_bench_realistic_smoke(tmp_path):
 
 
 # --- the benches' arithmetic, without Ray ----------------------------------------------------------
+def test_decoder_bench_load_smoke(tmp_path):
+    """The load workload on CPU: both readers, cold and warm, the same bytes each time."""
+    result = run_smoke("decoder_bench.py", "decoder-load", tmp_path, "--workload", "load", "--repeats", "2")
+    runs, summary = result["runs"], result["summary"]
+    assert set(runs) == {"streamed_cold", "streamed_warm", "mapped_cold", "mapped_warm"}
+    assert all(len(rows) == 2 and all(r["gb"] == summary["gb"] > 0 for r in rows) for rows in runs.values())
+    assert summary["speedup_cold"] == summary["mapped_cold_s"] / summary["streamed_cold_s"]
+    assert result["code"]["switches"]["DEEPSEEK_OCR_STREAM_WEIGHTS"] == "1"  # restored after the loads
+
+
 def test_e2e_config_changes_only_checkpoint_host_and_port(tmp_path):
     shipped = os.path.join(ROOT, "deployments", "configs", "gpu-shared.yaml")
     written = tmp_path / "serve.yaml"
