@@ -120,8 +120,9 @@ def write_result(out_dir: str, stem: str, result: dict) -> str:
 
 def code_state() -> dict:
     """What ran: every switch's setting in this process (the replicas of an end-to-end run
-    inherit them; the shipped YAMLs set none), the git commit where there is one (the GPU
-    machine gets a copy without .git), and a digest of the repository's Python sources."""
+    inherit them; the shipped YAMLs set none), the git commit where there is one, and a digest
+    of the repository's Python sources, which names the code where the commit cannot (the GPU
+    machine's copy reports an older commit with changes on top)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     digest = hashlib.sha256()
     for folder in ("common", "decoder", "deployments", "documents", "encoder", "scheduler", "corpus", "bench"):

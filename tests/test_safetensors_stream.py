@@ -57,16 +57,17 @@ def test_streamed_checkpoint_equals_safetensors_reader(tmp_path, monkeypatch, sh
     assert timings[0].keys() == timings[1].keys() and timings[0]["gb"] == timings[1]["gb"]
 
 
+@pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize("chunk_bytes", [64, 1000, 4096, 1 << 20])
-def test_pieces_and_shared_reads_land_where_they_belong(tmp_path, chunk_bytes):
+def test_pieces_and_shared_reads_land_where_they_belong(tmp_path, chunk_bytes, threads):
     """Chunks smaller than one tensor (it arrives in pieces), than a few (neighbours share a
-    read), and larger than the file (one read)."""
+    read), and larger than the file (one read); one reader or several at once."""
     tensors = mixed_tensors()
     save_checkpoint(tmp_path, {}, tensors)
     file = os.path.join(tmp_path, "model.safetensors")
     keys = [k for k in tensors if keep(k)]
     timings = {}
-    got = stream_tensors(file, keys, "cpu", chunk_bytes=chunk_bytes, timings=timings)
+    got = stream_tensors(file, keys, "cpu", chunk_bytes=chunk_bytes, threads=threads, timings=timings)
     with safe_open(file, "pt") as f:
         assert_identical(got, {k: f.get_tensor(k) for k in keys})
     assert timings["bytes"] == sum(t.numel() * t.element_size() for k, t in tensors.items() if keep(k))
