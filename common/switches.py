@@ -69,6 +69,9 @@ SWITCHES = {s.name: s for s in (
            "DeepSeek-OCR 2's Qwen2 attention in one SDPA with its boolean mask; 1: two mask-free "
            "SDPAs (image rows; query rows causal lower-right), slower on an H100 (one page 17.4 "
            "against 16.2 ms)"),
+    Switch("DEEPSEEK_OCR_SPLIT_REPLAYS", "0", ON_OFF,
+           "an encoder path's batch replays the smallest budget holding it; 1: two smaller budgets "
+           "one after the other where they pad less by more than a view, off until measured on a GPU"),
     Switch("DEEPSEEK_OCR_PREFILL_BEHIND_DECODE", "1", ON_OFF,
            "while sequences decode, a new prefill runs first and its first tokens are picked at "
            "once, then the decode step (decoder), instead of behind the decode step, picked a step later"),

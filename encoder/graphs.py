@@ -61,6 +61,11 @@ GB = 1024 ** 3
 # page's paths start).
 # DEEPSEEK_OCR_PIN_HOST_VIEWS=0 (or this flag) copies from where the views are, the reference.
 PIN_HOST_VIEWS = switches.on("DEEPSEEK_OCR_PIN_HOST_VIEWS")
+# A batch whose views would pad its smallest budget by more than a view replays two smaller
+# budgets one after the other instead (scheduler.PathBudgets.replays): on an H100, 8 and 16
+# OCR-2 pages ran slower from graphs than eagerly (62.7 against 68.8 pages/s), padded 12.5%
+# and 19%. Off until measured on a GPU (DEEPSEEK_OCR_SPLIT_REPLAYS=1 turns it on).
+SPLIT_REPLAYS = switches.on("DEEPSEEK_OCR_SPLIT_REPLAYS")
 
 
 @dataclass
@@ -177,11 +182,25 @@ class PathGraphs:
             raise ValueError(f"{self.name} path: empty batch (a path with no views is skipped)")
         assert plan.units == n, f"{self.name}: plan for {plan.units} views, got {n}"
         shapes_fit = all(tuple(p.shape[1:]) == self.view_shape for p in parts)
-        entry = self.graphs.get(plan.budget) if shapes_fit else None
-        self.stats.record(plan, replayed=entry is not None)
-        if entry is None:
+        entries = [self.graphs.get(budget) for budget in plan.replays] if shapes_fit else [None]
+        replayed = bool(entries) and None not in entries
+        self.stats.record(plan, replayed=replayed)
+        if not replayed:
             staged = [p.to(self.device, non_blocking=True) for p in parts]
             return self.forward(staged[0] if len(staged) == 1 else torch.cat(staged))
+        if len(entries) == 1:
+            return self._replay(entries[0], parts, n).clone()  # clone: the next replay overwrites it
+        out, row = None, 0
+        for entry, views in zip(entries, split_views(parts, [e.pixels.shape[0] for e in entries])):
+            tokens = self._replay(entry, views, sum(v.shape[0] for v in views))
+            out = out if out is not None else tokens.new_empty(n, *tokens.shape[1:])
+            out[row:row + tokens.shape[0]].copy_(tokens)
+            row += tokens.shape[0]
+        return out
+
+    def _replay(self, entry: _Graph, parts: list[torch.Tensor], n: int) -> torch.Tensor:
+        """`parts` (n views in all) into the graph's input, replayed: its output's first n rows
+        (the graph's own buffer, until its next replay)."""
         row = 0
         for part in parts:
             if (PIN_HOST_VIEWS and self.device.type == "cuda" and not part.is_cuda
@@ -195,7 +214,7 @@ class PathGraphs:
             entry.pixels[n:entry.filled].zero_()
         entry.filled = n
         entry.graph.replay()
-        return entry.out[:n].clone()  # clone: the next replay overwrites this buffer
+        return entry.out[:n]
 
     @torch.inference_mode()
     def probe(self) -> None:
@@ -209,6 +228,23 @@ class PathGraphs:
             self.forward(torch.zeros((1, *self.view_shape), dtype=torch.uint8, device=self.device))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def split_views(parts: list[torch.Tensor], capacities: list[int]) -> list[list[torch.Tensor]]:
+    """[k, 3, S, S] stacks (n views in all, in order) cut into consecutive groups of at most
+    `capacities[i]` views each (views of one stack may fall in two groups), every view in one."""
+    groups: list[list[torch.Tensor]] = [[] for _ in capacities]
+    group, room = 0, capacities[0]
+    for part in parts:
+        start = 0
+        while start < part.shape[0]:
+            while room == 0:
+                group += 1
+                room = capacities[group]
+            take = min(room, part.shape[0] - start)
+            groups[group].append(part[start:start + take])
+            start, room = start + take, room - take
+    return groups
 
 
 @dataclass(frozen=True, eq=False)
@@ -255,7 +291,7 @@ class DualPathEncoder:
             self.local_path = PathGraphs("local", forward_local, local_budgets,
                                          (3, tiling.crop_size, tiling.crop_size),
                                          encoder.device, use_graphs, left, compile_also=views)
-        self.planner = Planner(global_budgets, local_budgets, max_images)
+        self.planner = Planner(global_budgets, local_budgets, max_images, split_replays=SPLIT_REPLAYS)
         self._side = None  # the global path's CUDA stream when both paths run (_run_both)
 
     @property

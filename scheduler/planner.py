@@ -38,7 +38,10 @@ class PathPlan:
 
     units: int
     unit: int
-    budget: int | None  # token budget replayed; None: eager (too big) or skipped (no units)
+    budget: int | None  # the smallest token budget holding the batch; None: eager (too big) or skipped
+    # The budgets replayed one after another, each taking as many views as it holds (in order):
+    # `budget` alone, or two that pad less (`PathBudgets.replays`).
+    replays: tuple[int, ...] = ()
 
     @property
     def skipped(self) -> bool:
@@ -54,16 +57,22 @@ class PathPlan:
 
     @property
     def padding(self) -> int:
-        return self.budget - self.tokens if self.budget is not None else 0
+        return sum(self.replays) - self.tokens if self.budget is not None else 0
 
     @property
     def capacity(self) -> int | None:
-        """Views in the replayed graph (None when eager or skipped)."""
-        return self.budget // self.unit if self.budget is not None else None
+        """Views in the replayed graphs (None when eager or skipped)."""
+        return sum(self.replays) // self.unit if self.budget is not None else None
 
 
-def path_plan(budgets: PathBudgets, units: int) -> PathPlan:
-    return PathPlan(units, budgets.unit, budgets.smallest_fitting(units) if units else None)
+def path_plan(budgets: PathBudgets, units: int, split: bool = False) -> PathPlan:
+    """`split=False`: one replay of the smallest budget holding them (the reference twin of
+    two replays that pad less)."""
+    if not units:
+        return PathPlan(units, budgets.unit, None)
+    single = budgets.smallest_fitting(units)
+    replays = budgets.replays(units) if split else ((single,) if single is not None else ())
+    return PathPlan(units, budgets.unit, single, replays)
 
 
 @dataclass(frozen=True)
@@ -107,11 +116,14 @@ class Plan:
 
 
 class Planner:
-    def __init__(self, global_budgets: PathBudgets, local_budgets: PathBudgets, max_items: int):
+    def __init__(self, global_budgets: PathBudgets, local_budgets: PathBudgets, max_items: int,
+                 split_replays: bool = False):
+        """`split_replays`: a path may replay two budgets that pad less than one
+        (`PathBudgets.replays`); off, one replay of the smallest holding its views."""
         if max_items < 1:
             raise ValueError(f"max_items must be >= 1, got {max_items}")
         self.global_budgets, self.local_budgets = global_budgets, local_budgets
-        self.max_items = max_items
+        self.max_items, self.split_replays = max_items, split_replays
 
     def _oversized(self, item: Item) -> bool:
         return (item.global_views > self.global_budgets.max_units
@@ -120,8 +132,8 @@ class Planner:
     def _batch(self, items: list[Item], indices) -> Batch:
         g = sum(items[i].global_views for i in indices)
         c = sum(items[i].crops for i in indices)
-        return Batch(tuple(indices), path_plan(self.global_budgets, g),
-                     path_plan(self.local_budgets, c))
+        return Batch(tuple(indices), path_plan(self.global_budgets, g, self.split_replays),
+                     path_plan(self.local_budgets, c, self.split_replays))
 
     def _segments(self, items: list[Item], order: list[int], end: int):
         """Start positions j of feasible batches order[j:end], longest last."""

@@ -9,7 +9,7 @@ from PIL import Image
 from tests.helpers import rel_err
 from encoder import DualPathEncoder, EncoderArgs, assemble, preprocess
 from encoder.checkpoint import random_encoder
-from encoder.graphs import PathGraphs
+from encoder.graphs import PathGraphs, split_views
 from scheduler import PathBudgets, path_plan
 
 
@@ -462,3 +462,30 @@ def test_deployments_plan_and_replay_like_the_in_process_engine(tmp_path):
         a, b = one.engine.stats()[path], fresh.stats()[path]
         for key in ("graph_hits", "graph_misses", "padding_fraction", "batch_sizes"):
             assert a[key] == b[key], ("one encoder", path, key)
+
+
+def test_views_split_into_consecutive_groups():
+    """A batch's stacks cut for two replays: views in order, a stack across the cut in both."""
+    parts = [torch.arange(k * 3).view(k, 3) + 100 * i for i, k in enumerate((6, 1, 6))]
+    groups = split_views(parts, [9, 6])
+    assert [[p.shape[0] for p in g] for g in groups] == [[6, 1, 2], [4]]
+    assert torch.equal(torch.cat([torch.cat(g) for g in groups]), torch.cat(parts))
+    assert [[p.shape[0] for p in g] for g in split_views(parts, [13, 13])] == [[6, 1, 6], []]
+
+
+@pytest.mark.gpu
+def test_two_replays_equal_one_and_eager(cuda_engine):
+    """The local path's 5 crops (one page's 3, another's 2) replayed as 4 + 1 views (the cut
+    inside the second stack) give what one replay of 6 and the eager forward give."""
+    items = [preprocess(image(1191, 1684, i)) for i in range(2)]
+    views = [items[0].crops[:3], items[1].crops[:2]]
+    local = cuda_engine.local_path
+    one = path_plan(local.budgets, 5)
+    two = dataclasses.replace(one, replays=(400, 100))
+    assert one.replays == (600,) and two.padding == 0 and one.padding == 100
+    hits = local.stats.graph_hits
+    split, single = local.run(views, two), local.run(views, one)
+    assert local.stats.graph_hits == hits + 2
+    eager = local.forward(torch.cat(views).cuda())
+    torch.testing.assert_close(split, single, rtol=0.016, atol=0.016)
+    torch.testing.assert_close(split, eager, rtol=0.016, atol=0.016)

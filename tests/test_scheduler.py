@@ -64,6 +64,38 @@ def test_path_plan_skip_eager_padding():
     assert (p.budget, p.capacity, p.tokens, p.padding) == (400, 4, 300, 100)
 
 
+def test_two_replays_where_they_pad_less_by_more_than_a_view():
+    """DeepSeek-OCR 2's default budgets (256 a global view, 144 a crop; 32 pages of 6 crops)."""
+    global_budgets, local_budgets = default_budgets(32, global_unit=256, local_unit=144)
+    assert global_budgets.replays(16) == (13 * 256, 3 * 256)  # 19 would pad 3 views
+    assert global_budgets.replays(8) == (9 * 256,)  # 6 + 2 saves one view: the second replay's price
+    assert global_budgets.replays(9) == (9 * 256,)  # exact
+    assert global_budgets.replays(33) == ()  # past the largest: eager
+    assert local_budgets.replays(48) == (36 * 144, 12 * 144)  # 8 pages of 6 crops; 54 pads 6
+    b = PathBudgets.explicit("local", 100, [100, 400])
+    assert b.replays(3) == (400,) and b.replays(2) == (100, 100)  # the same graph twice: 2 views saved
+    for units in range(1, 193):
+        replays = local_budgets.replays(units)
+        single = local_budgets.smallest_fitting(units)
+        assert sum(replays) >= units * 144 and len(replays) in (1, 2)
+        assert replays == (single,) or sum(replays) + 144 < single
+        if len(replays) == 2:
+            assert replays[0] <= units * 144 <= replays[0] + replays[1]
+
+
+def test_planner_with_split_replays_pads_less_and_keeps_the_batches():
+    global_budgets, local_budgets = default_budgets(32, global_unit=256, local_unit=144)
+    items = [Item(1, 6)] * 8 + [Item(1, 0)] * 8  # 16 pages: 8 tiled, 8 whole
+    one, two = (Planner(global_budgets, local_budgets, 32, split_replays=split).plan(items)
+                for split in (False, True))
+    assert [b.indices for b in one.batches] == [b.indices for b in two.batches]
+    [batch] = two.batches
+    assert batch.global_path.replays == (13 * 256, 3 * 256) and batch.global_path.padding == 0
+    assert batch.local_path.replays == (36 * 144, 12 * 144) and batch.local_path.padding == 0
+    assert one.batches[0].local_path.replays == (54 * 144,) and one.padded_tokens == 3 * 256 + 6 * 144
+    assert two.batches[0].global_path.capacity == 16 and one.batches[0].global_path.capacity == 19
+
+
 items_st = st.lists(st.builds(Item, st.integers(0, 2), st.integers(0, 12)), max_size=60)
 budget_st = st.lists(st.integers(1, 40), min_size=1, max_size=6, unique=True)
 
