@@ -40,8 +40,12 @@ class PathPlan:
     unit: int
     budget: int | None  # the smallest token budget holding the batch; None: eager (too big) or skipped
     # The budgets replayed one after another, each taking as many views as it holds (in order):
-    # `budget` alone, or two that pad less (`PathBudgets.replays`).
+    # `budget` alone (the default), or two that pad less (`PathBudgets.replays`).
     replays: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.budget is not None and not self.replays:
+            object.__setattr__(self, "replays", (self.budget,))
 
     @property
     def skipped(self) -> bool:
@@ -68,11 +72,8 @@ class PathPlan:
 def path_plan(budgets: PathBudgets, units: int, split: bool = False) -> PathPlan:
     """`split=False`: one replay of the smallest budget holding them (the reference twin of
     two replays that pad less)."""
-    if not units:
-        return PathPlan(units, budgets.unit, None)
-    single = budgets.smallest_fitting(units)
-    replays = budgets.replays(units) if split else ((single,) if single is not None else ())
-    return PathPlan(units, budgets.unit, single, replays)
+    single = budgets.smallest_fitting(units) if units else None
+    return PathPlan(units, budgets.unit, single, budgets.replays(units) if split and single else ())
 
 
 @dataclass(frozen=True)
