@@ -60,8 +60,8 @@ def read_tensors(path, keep: Callable[[str], bool], device="cpu",
     """Read the tensors whose keys pass `keep`, opening each shard once; each goes to `device`
     (floating-point ones to `dtype` too) as it is read, so a GPU load never holds the weights
     on the host and packs them on the device (decoder/checkpoint.py), not in CPU memory. By
-    large sequential reads (common/safetensors_stream.py), or with DEEPSEEK_OCR_STREAM_WEIGHTS=0
-    tensor by tensor from safetensors' mapping (the reference twin).
+    large reads, several at once (common/safetensors_stream.py), or with
+    DEEPSEEK_OCR_STREAM_WEIGHTS=0 tensor by tensor from safetensors' mapping (the reference twin).
     `timings` (a dict) receives the seconds spent finding and opening the files (`open`),
     reading from them (`read`) and copying to the device (`to_device`, waited for) and the
     gigabytes read (`gb`): start-up diagnostics."""
