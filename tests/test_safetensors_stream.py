@@ -20,6 +20,7 @@ def mixed_tensors() -> dict[str, torch.Tensor]:
         "b.flag": torch.rand(11, generator=g) > 0.5,
         "b.byte": torch.randint(0, 255, (13,), generator=g, dtype=torch.uint8),
         "b.fp8": torch.randn(6, generator=g).to(torch.float8_e4m3fn),
+        "b.u32": torch.arange(2**32 - 5, 2**32, dtype=torch.int64).to(torch.uint32),
         "c.scalar": torch.tensor(2.5, dtype=torch.bfloat16),
         "c.empty": torch.zeros(0, 4),
         "skip.me": torch.randn(50, 50, generator=g),  # not kept: a gap between kept tensors
