@@ -20,7 +20,9 @@ decoder/triton_moe.py's fused kernels, which the engine runs) and
 decoder/triton_rope.py); `decode_graphs_unfused_routing`, `decode_graphs_torch_norm` (the
 routing and the norms' reference twins); `decode_graphs_prefill_first` (the engine's former
 order: a prefill first, then the decode step); `decode_graphs_eager_prefill` (every prefill
-launched eagerly: DEEPSEEK_OCR_PREFILL_GRAPHS=0, the twin of the prefill graphs). `--code DIR`
+launched eagerly: DEEPSEEK_OCR_PREFILL_GRAPHS=0, the twin of the prefill graphs);
+`decode_graphs_overlap_picks` (the next decode step launched from the last one's picks on the
+device, read back while it runs: DEEPSEEK_OCR_OVERLAP_PICKS=1). `--code DIR`
 imports the decoder package from DIR instead (an older checkout, for an A/B in one run on one
 machine).
 
@@ -128,7 +130,7 @@ def main(argv=None):
                                  "decode_graphs_grouped_mm", "decode_graphs_prefill_grouped_mm",
                                  "decode_graphs_torch_rope", "decode_graphs_unfused_routing",
                                  "decode_graphs_torch_norm", "decode_graphs_prefill_first",
-                                 "decode_graphs_eager_prefill"])
+                                 "decode_graphs_eager_prefill", "decode_graphs_overlap_picks"])
     parser.add_argument("--code", help="import the decoder package from this directory")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per concurrency "
                         "(median; default 3, --smoke 1)")
@@ -269,6 +271,8 @@ def make_engine(model, tokenizer, variant: str, max_batch: int, max_len: int):
         engine.prefill_behind_decode = variant != "decode_graphs_prefill_first"
     if variant == "decode_graphs_eager_prefill":  # DEEPSEEK_OCR_PREFILL_GRAPHS=0's path
         engine.runner.prefill_graphs_on = False  # before prepare() captures them
+    if variant == "decode_graphs_overlap_picks":  # DEEPSEEK_OCR_OVERLAP_PICKS=1's path
+        engine.overlap_picks = True
     # Older code (--code) has no packed projections to unpack.
     if hasattr(model, "use_fused_projections"):
         model.use_fused_projections(variant != "decode_graphs_separate")

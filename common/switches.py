@@ -75,6 +75,10 @@ SWITCHES = {s.name: s for s in (
     Switch("DEEPSEEK_OCR_PREFILL_BEHIND_DECODE", "1", ON_OFF,
            "while sequences decode, a new prefill runs first and its first tokens are picked at "
            "once, then the decode step (decoder), instead of behind the decode step, picked a step later"),
+    Switch("DEEPSEEK_OCR_OVERLAP_PICKS", "0", ON_OFF,
+           "every decode step's tokens read on the host before the next step is launched (decoder); "
+           "1: the next step launched from them on the device, read while it runs, off until "
+           "measured on a GPU"),
     Switch("DEEPSEEK_OCR_PREFILL_GRAPHS", "1", ON_OFF,
            "every prefill launched eagerly, kernel by kernel (decoder), not a one-sequence prefill "
            "replayed from a CUDA graph at its token bucket"),

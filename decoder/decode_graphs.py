@@ -81,8 +81,12 @@ class DecodeGraphs:
         self.batches, self.contexts = batch_buckets(max_batch), context_buckets(cache, max_len)
         self.graphs: dict[tuple[int, int], tuple] = {}
         # Host staging for each step's tokens, positions (and R-SWA's prompt lengths): pinned,
-        # so the copies to the static inputs are asynchronous (the step's only host sync stays the pick of its tokens).
-        self._staged = torch.zeros(3, self.batches[-1], dtype=torch.long, pin_memory=True)
+        # so the copies to the static inputs are asynchronous (the step's only host sync stays
+        # the pick of its tokens). Two, used in turn, each refilled once its copies are done
+        # (`_copied`): a step that launches the next before reading its picks has not waited.
+        self._staged = [torch.zeros(3, self.batches[-1], dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self._copied: list = [None, None]
+        self._turn = 0
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(model.device)  # own cuBLAS workspace (see capture_graph)
@@ -96,25 +100,33 @@ class DecodeGraphs:
         graph, logits = capture_graph(step, pool, device=self.model.device, stream=stream)
         return graph, tokens, positions, prompt_lens, logits
 
-    def run(self, tokens: list[int], positions: list[int],
+    def run(self, tokens: list[int] | torch.Tensor, positions: list[int],
             prompt_lens: list[int] | None = None) -> torch.Tensor:
         """Logits [S, vocab] for S running sequences (a fresh tensor, safe across replays);
+        `tokens`: a list, or a tensor on the device (the last step's picks, not read back yet);
         `prompt_lens`: each one's prompt length, for R-SWA models."""
-        n = len(tokens)
+        n = len(positions)
         batch = self.batches[bisect.bisect_left(self.batches, n)]
         context = self.contexts[bisect.bisect_left(self.contexts, max(positions) + 1)]
         graph, static_tokens, static_positions, static_prompt_lens, logits = self.graphs[(batch, context)]
         assert (static_prompt_lens is None) == (prompt_lens is None), "R-SWA graphs take prompt_lens"
-        # Rows past n feed token 0 at position 0 (free slots). The previous step's copies out of
-        # this buffer have finished: its picks were read on the host since.
-        staged = self._staged[:, :batch]
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # done long ago in practice: two steps back
+        # Rows past n feed token 0 at position 0 (free slots).
+        staged = self._staged[turn][:, :batch]
         staged.zero_()
-        staged[0, :n] = torch.tensor(tokens)
+        on_device = torch.is_tensor(tokens)
+        if not on_device:
+            staged[0, :n] = torch.tensor(tokens)
         staged[1, :n] = torch.tensor(positions)
         static_tokens[:, 0].copy_(staged[0], non_blocking=True)
+        if on_device:
+            static_tokens[:n, 0].copy_(tokens)
         static_positions.copy_(staged[1], non_blocking=True)
         if static_prompt_lens is not None:
             staged[2, :n] = torch.tensor(prompt_lens)
             static_prompt_lens.copy_(staged[2], non_blocking=True)
+        self._copied[turn] = torch.cuda.current_stream(self.model.device).record_event()
         graph.replay()
         return logits[:n].clone()  # clone: the next replay overwrites this buffer

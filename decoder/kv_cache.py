@@ -55,6 +55,7 @@ class KVCache:
         self._pages: list[list[int]] = [[] for _ in range(max_seqs)]
         self._free = list(range(num_pages, SCRATCH_PAGE, -1))  # pop() hands out low pages first
         self._dirty = False
+        self._copied = None  # the event after the last copy out of the pinned table
         setting = switches.kernel("DEEPSEEK_OCR_PAGED_ATTENTION")  # "triton" on CUDA by default
         self.kernel = "triton" if setting == "triton" or (setting == "auto" and self.device.type == "cuda") \
             else "gather"
@@ -74,6 +75,14 @@ class KVCache:
     def pages_in_use(self) -> int:
         return self.num_pages - len(self._free)
 
+    def pages_short(self, row: int, tokens: int) -> int:
+        """Pages `row` lacks for its first `tokens` positions (what `reserve` would take)."""
+        return max(0, pages_for(tokens) - len(self._pages[row]))
+
+    def pages_held(self, row: int) -> int:
+        """Pages `release` would give back."""
+        return sum(page != SCRATCH_PAGE for page in self._pages[row])
+
     def holds(self, row: int, tokens: int) -> bool:
         """Whether `row` already has pages for its first `tokens` positions."""
         return pages_for(tokens) <= len(self._pages[row])
@@ -87,6 +96,7 @@ class KVCache:
             return True
         if need > len(self._free):
             return False
+        self._writable()
         for _ in range(need):
             page = self._free.pop()
             self._host_table[row, len(pages)] = page
@@ -95,6 +105,7 @@ class KVCache:
         return True
 
     def release(self, row: int) -> None:
+        self._writable()
         self._free += [page for page in reversed(self._pages[row]) if page != SCRATCH_PAGE]
         self._pages[row] = []
         self._host_table[row] = SCRATCH_PAGE
@@ -104,6 +115,7 @@ class KVCache:
         """Give back `row`'s pages first_page..end_page-1 (positions no query reads again: an
         R-SWA gap); their entries point at the scratch page, and the row keeps its length."""
         pages = self._pages[row]
+        self._writable()
         for index in range(first_page, min(end_page, len(pages))):
             if pages[index] != SCRATCH_PAGE:
                 self._free.append(pages[index])
@@ -114,6 +126,7 @@ class KVCache:
     def move(self, src: int, dst: int) -> None:
         """Row src's pages become row dst's (dst free); src is left free."""
         assert not self._pages[dst], "move into a row that holds pages"
+        self._writable()
         self._pages[dst], self._pages[src] = self._pages[src], []
         self._host_table[dst] = self._host_table[src]
         self._host_table[src] = SCRATCH_PAGE
@@ -125,11 +138,19 @@ class KVCache:
                 self.release(row)
 
     def sync(self) -> None:
-        """Copy the table to the device when it changed (before a forward that uses it). The
-        previous copy out of the pinned table has finished: a step's picks were read since."""
+        """Copy the table to the device when it changed (before a forward that uses it)."""
         if self._dirty and self._host_table is not self.table:
             self.table.copy_(self._host_table, non_blocking=True)
+            self._copied = torch.cuda.current_stream(self.device).record_event()
         self._dirty = False
+
+    def _writable(self) -> None:
+        """Before the pinned table changes: its last copy to the device is done. (A step that
+        read its picks has waited for it; one that launches the next decode step before reading
+        them, `GenerationEngine.overlap_picks`, may not have.)"""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
     # -- used by the model's attention -------------------------------------------------------
     def write_prefill(self, layer: int, first_row: int, k, v, table=None) -> None:

@@ -52,6 +52,7 @@ class ModelRunner:
         self.prefill_graphs = None  # PrefillGraphs, where `prefill_graphs_on` (prepare() captures them)
         self._prefill_graphable = graphable and model.args.sliding_window is None
         self.sampler_graphs = None  # pick_tokens per batch bucket, captured with the decode graphs
+        self._picks_host = None  # pinned: a step's picks read back while the next step runs
         self._warmed_prefill = False
         self.compile_ahead_s = 0.0  # the Triton kernels compiled on threads before capture
 
@@ -141,7 +142,10 @@ class ModelRunner:
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def decode(self, active: list[Sequence]) -> torch.Tensor:
+    def decode(self, active: list[Sequence], tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step of the running sequences, launched: their logits [S, vocab]. Each
+        feeds its pending token, or row i of `tokens` (on the device: the last step's picks,
+        not read back yet; `GenerationEngine.overlap_picks`)."""
         # Active sequences are exactly the running ones, in slot order 0..S-1.
         assert [s.slot for s in active] == list(range(len(active))), "slots must stay compact"
         self.cache.sync()
@@ -149,11 +153,12 @@ class ModelRunner:
         prompt_lens = ([len(s.request.prompt_ids) for s in active]
                        if self.model.args.sliding_window is not None else None)
         if self.decode_graphs is not None:
-            logits = self.decode_graphs.run([s.pending for s in active], [s.length for s in active],
-                                            prompt_lens)
+            logits = self.decode_graphs.run([s.pending for s in active] if tokens is None else tokens,
+                                            [s.length for s in active], prompt_lens)
         else:
             device = self.model.device
-            tokens = torch.tensor([[s.pending] for s in active], device=device)
+            tokens = (torch.tensor([[s.pending] for s in active], device=device) if tokens is None
+                      else tokens.view(-1, 1))
             positions = torch.tensor([s.length for s in active], device=device)
             step = CacheStep(self.cache, positions=positions, kv_len=max(s.length for s in active) + 1)
             if prompt_lens is not None:
@@ -165,8 +170,29 @@ class ModelRunner:
         return logits
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """Each row's next token (waits for the device)."""
+        return self.pick_on_device(seqs, logits).tolist()
+
+    def read_back(self, picked: torch.Tensor):
+        """Start copying `picked` (a step's tokens on the device) to the host; returns a function
+        that waits for them and gives them as a list. On a GPU the copy goes through a pinned
+        buffer behind the work queued so far, so what is launched after it runs on."""
+        if picked.device.type != "cuda":
+            return picked.tolist
+        if self._picks_host is None:
+            self._picks_host = torch.zeros(self.max_batch, dtype=torch.long, pin_memory=True)
+        host = self._picks_host[:picked.shape[0]]
+        host.copy_(picked, non_blocking=True)
+        copied = torch.cuda.current_stream(picked.device).record_event()
+
+        def tokens() -> list[int]:
+            copied.synchronize()
+            return host.tolist()
+        return tokens
+
+    def pick_on_device(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """The n-gram rule's bans written into `logits` (the caller's fresh tensor), then the
-        pick: argmax, or seeded sampling for rows with a temperature."""
+        pick: argmax, or seeded sampling for rows with a temperature -> [S] on the device."""
         # No float(): bf16 -> fp32 is exact, so argmax (ties included) is the same without the
         # 33 MB copy at 64 sequences. All sequences' banned tokens in one indexed write.
         rows, cols = [], []
@@ -177,8 +203,8 @@ class ModelRunner:
                 cols += banned
         if rows:
             device = logits.device
-            logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
-        return self.pick(seqs, logits).tolist()
+            logits[to_device(torch.tensor(rows), device), to_device(torch.tensor(cols), device)] = float("-inf")
+        return self.pick(seqs, logits)
 
     def pick(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """Greedy argmax when no sequence samples (the default path, as before sampling
@@ -186,11 +212,11 @@ class ModelRunner:
         params = [s.request.params for s in seqs]
         if all(p.temperature == 0 for p in params):
             return argmax_rows(logits)
-        device = logits.device
-        rows = (torch.tensor([p.temperature for p in params], device=device),
-                torch.tensor([p.top_p for p in params], device=device),
-                torch.tensor([s.seed for s in seqs], device=device, dtype=torch.int64),
-                torch.tensor([len(s.tokens) for s in seqs], device=device, dtype=torch.int64))
+        device = logits.device  # copies that do not wait for the device (a decode step may run)
+        rows = (to_device(torch.tensor([p.temperature for p in params]), device),
+                to_device(torch.tensor([p.top_p for p in params]), device),
+                to_device(torch.tensor([s.seed for s in seqs], dtype=torch.int64), device),
+                to_device(torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64), device))
         if self.sampler_graphs is not None and self.sampler_graphs.fits(len(seqs)):
             return self.sampler_graphs.run(logits, *rows)
         return pick_tokens(logits, *rows)

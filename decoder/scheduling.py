@@ -162,6 +162,19 @@ class Scheduler:
         else:
             self.leave(seq)
 
+    @property
+    def leaving(self) -> list[Sequence]:
+        """Running sequences retired while a step was in flight (their rows go at `leave_retired`)."""
+        return self._leaving
+
+    def grows_without_preempting(self) -> bool:
+        """Whether `leave_retired` then `grow` will find a page for every staying sequence's next
+        token without preempting any."""
+        cache, leaving = self.cache, self._leaving
+        freed = sum(cache.pages_held(s.slot) for s in leaving)
+        short = sum(cache.pages_short(s.slot, s.length + 1) for s in self.running if s not in leaving)
+        return short <= cache.free_pages + freed
+
     def leave_retired(self) -> None:
         """The rows of the sequences retired while a step was in flight, freed (it is done)."""
         for seq in self._leaving:

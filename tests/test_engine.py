@@ -1,6 +1,7 @@
 """Continuous batching, KV cache, stop conditions and streaming of the generation engine (CPU)."""
 import asyncio
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -305,37 +306,78 @@ def test_decode_graphs_reproduce_eager_generations_token_for_token():
     for graphs in (True, False):
         engine = GenerationEngine(model, tokenizer, max_batch=4, max_len=1024, decode_graphs=graphs)
         if not graphs:  # the eager run's margin behind each token it picks
-            choose = engine.runner.sample
-
-            def recording(seqs, logits, choose=choose):
-                picks = choose(seqs, logits)  # applies the n-gram bans to `logits` in place
-                top = logits.float().topk(2, dim=-1).values
-                for seq, (first, second) in zip(seqs, top.tolist()):
-                    gaps.setdefault(seq.request.request_id, []).append((first - second) / abs(first))
-                return picks
-            engine.runner.sample = recording
+            record_margins(engine, gaps)
         requests = [GenerationRequest([0] + tokenizer.encode(p), params=SamplingParams(max_tokens=24 + 8 * i))
                     for i, p in enumerate(prompts)]
         runs[graphs] = [d.token_ids for d in engine.generate(requests)]
         assert (engine.decode_graphs is not None) == graphs  # the switch is honoured
+    assert_equal_but_near_ties(requests, runs[True], runs[False], gaps)
+
+
+def record_margins(engine, gaps: dict) -> None:
+    """Each pick's margin (top two logits after the n-gram bans, relative) per request, into `gaps`."""
+    choose = engine.runner.pick_on_device
+
+    def recording(seqs, logits):
+        picks = choose(seqs, logits)  # applies the n-gram bans to `logits` in place
+        top = logits.float().topk(2, dim=-1).values
+        for seq, (first, second) in zip(seqs, top.tolist()):
+            if not seq.done:
+                gaps.setdefault(seq.request.request_id, []).append((first - second) / abs(first))
+        return picks
+    engine.runner.pick_on_device = recording
+
+
+def assert_equal_but_near_ties(requests, tested, reference, gaps) -> None:
+    """Every point where a tested generation first differs from its reference is a near tie in
+    the reference (gap under NEAR_TIE), and most tokens match before any difference."""
     matched = 0
-    for request, graphed, eager in zip(requests, runs[True], runs[False]):
+    for request, got, want in zip(requests, tested, reference):
         margins = gaps[request.request_id]
-        differ = next((t for t, (a, b) in enumerate(zip(graphed, eager)) if a != b), None)
-        print(f"\n{request.request_id}: {len(eager)} tokens, first difference at {differ}"
-              + ("" if differ is None else f" (eager gap there {margins[differ]:.4f})"))
+        differ = next((t for t, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        print(f"\n{request.request_id}: {len(want)} tokens, first difference at {differ}"
+              + ("" if differ is None else f" (reference gap there {margins[differ]:.4f})"))
         if differ is None:
-            assert graphed == eager
-            matched += len(eager)
+            assert got == want
+            matched += len(want)
         else:
             assert margins[differ] < NEAR_TIE, (request.request_id, differ, margins[differ])
             matched += differ
-    total = sum(map(len, runs[False]))
+    total = sum(map(len, reference))
     every = sorted(g for margins in gaps.values() for g in margins)
     print(f"tokens matched before any difference: {matched} of {total}; identical sequences: "
-          f"{sum(a == b for a, b in zip(runs[True], runs[False]))} of {len(prompts)}; eager gaps "
+          f"{sum(a == b for a, b in zip(tested, reference))} of {len(requests)}; reference gaps "
           f"min {every[0]:.4f} p10 {every[len(every) // 10]:.4f} median {every[len(every) // 2]:.4f}")
     assert matched >= total // 2
+
+
+@pytest.mark.gpu
+def test_overlapped_picks_with_decode_graphs_generate_what_reading_each_pick_does(monkeypatch):
+    """`overlap_picks` with decode graphs (picks fed to the next graph from the device, read back
+    while it runs; pinned buffers in turn): greedy generations, n-gram rule on, sequences
+    joining and leaving, equal the reference path's but at near ties (a sequence's unused last
+    row can change a step's batch bucket, so rounding may differ)."""
+    from decoder import triton_moe
+    from decoder.checkpoint import random_decoder
+    from decoder.config import DecoderArgs
+    # Stores and one sum in the down kernel: its atomic adds' order varies run to run.
+    monkeypatch.setattr(triton_moe, "DOWN_TILE", triton_moe.DOWN_TILE._replace(atomic_add=False))
+    model = random_decoder(DecoderArgs(), device="cuda", dtype=torch.bfloat16)
+    tokenizer = ByteTokenizer()
+    prompts = ["first page", "a second, longer prompt " * 8, "3", "table <td>x</td>" * 20,
+               "an image-sized prompt " * 40, "short"]
+    runs, gaps = {}, {}
+    for overlap in (True, False):
+        monkeypatch.setattr(GenerationEngine, "overlap_picks", overlap)
+        engine = GenerationEngine(model, tokenizer, max_batch=4, max_len=1024, decode_graphs=True)
+        if not overlap:
+            record_margins(engine, gaps)
+        requests = [GenerationRequest([0] + tokenizer.encode(p), params=SamplingParams(max_tokens=24 + 8 * i))
+                    for i, p in enumerate(prompts)]
+        runs[overlap] = [d.token_ids for d in engine.generate(requests)]
+        print(f"overlap {overlap}: {engine.overlapped_steps} overlapped steps")
+        assert (engine.overlapped_steps > 40) == overlap
+    assert_equal_but_near_ties(requests, runs[True], runs[False], gaps)
 
 
 def test_prefill_groups_respect_the_token_budget(model, tokenizer):
@@ -393,6 +435,88 @@ def test_a_prefill_behind_the_decode_step_gives_its_first_token_a_step_later(mod
     assert len(engine.running) == 2 and not engine.running[1].tokens
     assert sorted(d.request_id for d in engine.step()) == sorted([first.request_id, later.request_id])
     assert [len(s.tokens) for s in engine.running] == [3, 1]
+
+
+def run_both_ways(make_engine, requests_at: dict, monkeypatch, abort_at: dict | None = None):
+    """Generations (token ids, text, finish reason) with `overlap_picks` off and on: requests
+    added at the steps `requests_at` names, aborted at the steps `abort_at` names; and the
+    overlapping engine (its counts)."""
+    out = {}
+    for overlap in (False, True):
+        monkeypatch.setattr(GenerationEngine, "overlap_picks", overlap)
+        engine, results, step = make_engine(), {}, 0
+        ids = {}
+        while step in requests_at or engine.has_work() or step <= max(requests_at):
+            for i, request in enumerate(requests_at.get(step, ())):
+                request = GenerationRequest(request.prompt_ids, request.image_embeds, request.params)
+                ids[engine.add(request)] = (step, i)
+            for request_id, at in list(ids.items()):
+                if (abort_at or {}).get(at) == step and (delta := engine.abort(request_id)):
+                    results.setdefault(at, []).append(delta)
+            for delta in engine.step():
+                results.setdefault(ids[delta.request_id], []).append(delta)
+            step += 1
+        out[overlap] = {at: ([t for d in ds for t in d.token_ids], "".join(d.text for d in ds), ds[-1].finish_reason)
+                        for at, ds in results.items()}
+        assert engine.cache.free_pages == engine.cache.num_pages  # every page came back
+    return out[False], out[True], engine
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, 8])
+def test_overlapped_picks_generate_what_reading_each_pick_first_does(model, tokenizer, monkeypatch, max_batch):
+    """`GenerationEngine.overlap_picks`: the next decode step launched from the last one's picks
+    on the device, read back after. Every generation equals the reference path's (each pick
+    read before the next launch): requests joining while others run, different lengths, the
+    n-gram rule banning often, seeded sampling, a stop string, an abort, sequences leaving
+    from the middle rows; and most steps took the overlapped path."""
+    ngram = NGramConfig(ngram_size=3, window=20)
+    early = [make_request(tokenizer, "<image>\nFree OCR.", [40], 30, 1, ngram=ngram),
+             make_request(tokenizer, "hello", (), 7, 2, ngram=OFF),
+             GenerationRequest(build_prompt(tokenizer, "sampled", []), [],
+                               SamplingParams(max_tokens=25, ngram=ngram, temperature=0.8, top_p=0.9, seed=7))]
+    reference_text = GenerationEngine(model, tokenizer, max_len=512).generate(
+        [make_request(tokenizer, "stop here", (), 40, 4, ngram=OFF)])[0].text
+    stop = reference_text[12:15]
+    later = [make_request(tokenizer, "stop here", (), 40, 4, ngram=OFF, stop=(stop,)),
+             make_request(tokenizer, "<image>x", [30], 18, 5, ngram=ngram),
+             make_request(tokenizer, "aborted", (), 40, 6, ngram=OFF)]
+    plain, overlapped, engine = run_both_ways(
+        lambda: GenerationEngine(model, tokenizer, max_batch=max_batch, max_len=2048),
+        {0: early, 9: later}, monkeypatch, abort_at={(9, 2): 20})
+    assert plain == overlapped
+    assert plain[(9, 0)][2] == "stop" and plain[(9, 2)][2] == "aborted" and plain[(0, 1)][2] == "length"
+    assert engine.overlapped_steps > 20
+
+
+def test_overlapped_picks_with_eos_and_preemption_equal_the_reference(tmp_path, tokenizer, monkeypatch):
+    """A sequence that ends by EOS has one unused row in the step launched before its pick was
+    read; a cache that runs out of pages preempts (that step reads its picks first); both
+    paths generate the same."""
+    model = load_decoder(write_random_model(tmp_path, dtype=torch.float32))
+    reference = GenerationEngine(model, tokenizer, max_len=512).generate(
+        [make_request(tokenizer, "hi there", (), 30, 1, ngram=OFF)])[0].token_ids
+    model.args = dataclasses.replace(model.args, eos_id=reference[10])  # its 11th token now ends it
+    batch = [make_request(tokenizer, "hi there", (), 30, 1, ngram=OFF),
+             make_request(tokenizer, "<image>\nFree OCR.", [40], 100, 1, ngram=OFF),
+             make_request(tokenizer, "hello " * 8, (), 90, 2, ngram=OFF),
+             make_request(tokenizer, "<image>x", [30], 110, 3, ngram=OFF)]
+    plain, overlapped, engine = run_both_ways(
+        lambda: GenerationEngine(model, tokenizer, max_batch=3, max_len=2048,
+                                 kv_cache_gb=page_budget_gb(model, 5)), {0: batch}, monkeypatch)
+    assert plain == overlapped and plain[(0, 0)][2] == "eos" and len(plain[(0, 0)][0]) == 11
+    assert engine.preemptions > 0 and engine.overlapped_steps > 50
+
+
+def test_overlapped_picks_with_a_sliding_window_equal_the_reference(tokenizer, monkeypatch):
+    """An R-SWA model (Unlimited-OCR's attention, window 8: its gap pages given back while the
+    sequences run past 64 tokens): both paths generate the same."""
+    model = random_decoder(DecoderArgs.tiny(sliding_window=8), seed=3)
+    batch = [make_request(tokenizer, text, (), n, i, ngram=OFF)
+             for i, (text, n) in enumerate((("window " * 12, 150), ("b", 90), ("c " * 30, 120)))]
+    plain, overlapped, engine = run_both_ways(
+        lambda: GenerationEngine(model, tokenizer, max_batch=2, max_len=1024), {0: batch, 40: batch[1:2]},
+        monkeypatch)
+    assert plain == overlapped and engine.overlapped_steps > 100
 
 
 def test_prefill_graph_path_equals_the_eager_prefill(model, tokenizer):
