@@ -296,22 +296,25 @@ def test_decode_graphs_reproduce_eager_generations_token_for_token():
     eager twin must be such a near tie in the eager run (gap under NEAR_TIE of the top logit,
     after the n-gram bans), and most tokens must match before any difference. A bug (wrong
     position, stale cache, another row's logits) makes differences at clear margins."""
-    from decoder.checkpoint import random_decoder
-    from decoder.config import DecoderArgs
-    model = random_decoder(DecoderArgs(), device="cuda", dtype=torch.bfloat16)
-    tokenizer = ByteTokenizer()
-    prompts = ["first page", "a second, longer prompt " * 8, "3", "table <td>x</td>" * 20,
-               "an image-sized prompt " * 40, "short"]
+    model, tokenizer = random_decoder(DecoderArgs(), device="cuda", dtype=torch.bfloat16), ByteTokenizer()
     runs, gaps = {}, {}
     for graphs in (True, False):
         engine = GenerationEngine(model, tokenizer, max_batch=4, max_len=1024, decode_graphs=graphs)
         if not graphs:  # the eager run's margin behind each token it picks
             record_margins(engine, gaps)
-        requests = [GenerationRequest([0] + tokenizer.encode(p), params=SamplingParams(max_tokens=24 + 8 * i))
-                    for i, p in enumerate(prompts)]
+        requests = joining_and_leaving(tokenizer)
         runs[graphs] = [d.token_ids for d in engine.generate(requests)]
         assert (engine.decode_graphs is not None) == graphs  # the switch is honoured
     assert_equal_but_near_ties(requests, runs[True], runs[False], gaps)
+
+
+def joining_and_leaving(tokenizer) -> list[GenerationRequest]:
+    """Six greedy requests (n-gram rule on) of different lengths for four rows: sequences join
+    as others leave."""
+    prompts = ["first page", "a second, longer prompt " * 8, "3", "table <td>x</td>" * 20,
+               "an image-sized prompt " * 40, "short"]
+    return [GenerationRequest([0] + tokenizer.encode(p), params=SamplingParams(max_tokens=24 + 8 * i))
+            for i, p in enumerate(prompts)]
 
 
 def record_margins(engine, gaps: dict) -> None:
@@ -358,22 +361,16 @@ def test_overlapped_picks_with_decode_graphs_generate_what_reading_each_pick_doe
     joining and leaving, equal the reference path's but at near ties (a sequence's unused last
     row can change a step's batch bucket, so rounding may differ)."""
     from decoder import triton_moe
-    from decoder.checkpoint import random_decoder
-    from decoder.config import DecoderArgs
     # Stores and one sum in the down kernel: its atomic adds' order varies run to run.
     monkeypatch.setattr(triton_moe, "DOWN_TILE", triton_moe.DOWN_TILE._replace(atomic_add=False))
-    model = random_decoder(DecoderArgs(), device="cuda", dtype=torch.bfloat16)
-    tokenizer = ByteTokenizer()
-    prompts = ["first page", "a second, longer prompt " * 8, "3", "table <td>x</td>" * 20,
-               "an image-sized prompt " * 40, "short"]
+    model, tokenizer = random_decoder(DecoderArgs(), device="cuda", dtype=torch.bfloat16), ByteTokenizer()
     runs, gaps = {}, {}
     for overlap in (True, False):
         monkeypatch.setattr(GenerationEngine, "overlap_picks", overlap)
         engine = GenerationEngine(model, tokenizer, max_batch=4, max_len=1024, decode_graphs=True)
         if not overlap:
             record_margins(engine, gaps)
-        requests = [GenerationRequest([0] + tokenizer.encode(p), params=SamplingParams(max_tokens=24 + 8 * i))
-                    for i, p in enumerate(prompts)]
+        requests = joining_and_leaving(tokenizer)
         runs[overlap] = [d.token_ids for d in engine.generate(requests)]
         print(f"overlap {overlap}: {engine.overlapped_steps} overlapped steps")
         assert (engine.overlapped_steps > 40) == overlap
