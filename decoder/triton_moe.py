@@ -53,6 +53,15 @@ DOWN_TILE = Tile(32, 64, 64)
 PREFILL_ROWS = 4096
 PREFILL_GATE_UP_TILE = Tile(128, 128, 64, 8, 3)
 PREFILL_DOWN_TILE = Tile(128, 256, 64, 8, 4, atomic_add=False)
+# Up to SMALL_ROWS sorted rows (8 tokens with the two shared experts: one page alone decodes 1),
+# tiles of their own where set (bench/tune/tune_moe_kernel.py --small 1 picks them): there the
+# decode tiles leave most SMs idle (one token's 8 experts x 14 gate/up column blocks: 112
+# programs on an H100's 132 SMs) and the two kernels took 18 and 16 us a layer against ~12 and
+# ~6 us of bytes (H100). None: the decode tiles. (GPU tests that set DOWN_TILE for small
+# batches set these too once they are set.)
+SMALL_ROWS = 64
+SMALL_GATE_UP_TILE: Tile | None = None
+SMALL_DOWN_TILE: Tile | None = None
 
 
 @triton.jit
@@ -148,6 +157,16 @@ def _launch_meta(tile: Tile, top_k: int, experts: int, n_shared: int) -> dict:
                 BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
+def module_tiles(rows: int) -> tuple[Tile, Tile]:
+    """The module's (gate/up, down) tiles for `rows` sorted rows, read at call time (the tuner
+    sets them for its process)."""
+    if rows >= PREFILL_ROWS:
+        return PREFILL_GATE_UP_TILE, PREFILL_DOWN_TILE
+    if rows <= SMALL_ROWS:
+        return SMALL_GATE_UP_TILE or GATE_UP_TILE, SMALL_DOWN_TILE or DOWN_TILE
+    return GATE_UP_TILE, DOWN_TILE
+
+
 def _row_blocks(rows: int, experts: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m) + experts  # at most one partial block per expert
 
@@ -155,8 +174,7 @@ def _row_blocks(rows: int, experts: int, block_m: int) -> int:
 def gate_up_silu(x, order, ends, gate_up, top_k: int, tile: Tile | None = None,
                  shared_gate_up: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU(gate) * up of each sorted (token, choice) row under its expert: [N * top_k, I]."""
-    # The module's tiles are read at call time: bench/tune/tune_moe_kernel.py sets them.
-    tile = tile or (GATE_UP_TILE if order.numel() < PREFILL_ROWS else PREFILL_GATE_UP_TILE)
+    tile = tile or module_tiles(order.numel())[0]
     experts, two_inter, hidden = gate_up.shape
     inter, rows = two_inter // 2, order.numel()
     shared = gate_up if shared_gate_up is None else shared_gate_up
@@ -172,7 +190,7 @@ def gate_up_silu(x, order, ends, gate_up, top_k: int, tile: Tile | None = None,
 def down_combine(act, order, ends, route_weights, down, tokens: int, top_k: int,
                  tile: Tile | None = None, shared_down: torch.Tensor | None = None) -> torch.Tensor:
     """Each sorted row's down projection times its routing weight, summed per token: [N, H] fp32."""
-    tile = tile or (DOWN_TILE if order.numel() < PREFILL_ROWS else PREFILL_DOWN_TILE)
+    tile = tile or module_tiles(order.numel())[1]
     experts, hidden, inter = down.shape
     shared = down if shared_down is None else shared_down
     n_shared = 0 if shared_down is None else shared.shape[1] // inter

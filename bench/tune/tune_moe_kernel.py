@@ -1,21 +1,22 @@
 """Pick the fused MoE kernels' tiles on this GPU, for decode steps and for prefills.
 
-    python bench/tune/tune_moe_kernel.py [--out bench/results] [--prefill 1]
+    python bench/tune/tune_moe_kernel.py [--out bench/results] [--prefill 1 | --small 1]
 
 One MoE layer at real DeepSeek-3B-MoE dims (64 experts, hidden 1,280, intermediate 896, top 6),
 bf16, random weights and routing. Decode (the default): 1 to 682 tokens (682 x 6 rows stays
 under `triton_moe.PREFILL_ROWS`); --prefill 1: 1,024 to 16,384 tokens (the engine's prefill
 forwards: up to 16,384 tokens, 98,304 rows) over larger tiles, the down kernel with atomic adds
-and with stores and one sum. Each kernel of decoder/triton_moe.py is timed over its grid of
+and with stores and one sum; --small 1: 1 to 8 tokens (up to `triton_moe.SMALL_ROWS` rows with
+the shared experts: one page alone) over narrow tiles. Each kernel of decoder/triton_moe.py is timed over its grid of
 tiles, ten launches in one CUDA graph (GPU time, no Python launch cost), checked against the
 grouped-matmul reference. The pick: the tile with the least time summed over the mode's batches
 (decode: 1 to 256 tokens), each kernel apart. Then the whole experts forward (sort, kernels)
 with those tiles against the grouped-matmul path, at every batch (the tiles set on the imported
 module for this process only). Prints the picked tiles as the two lines of decoder/triton_moe.py
-a maintainer would copy them into (GATE_UP_TILE / DOWN_TILE, or PREFILL_GATE_UP_TILE /
-PREFILL_DOWN_TILE with --prefill 1); this script never edits source. Writes
-bench/results/tune-moe-kernel.json (--prefill 1: tune-moe-kernel-prefill.json; `--out DIR` or
-`--out FILE.json` to change).
+a maintainer would copy them into (GATE_UP_TILE / DOWN_TILE; PREFILL_ or SMALL_ ones with
+--prefill 1 or --small 1); this script never edits source. Writes
+bench/results/tune-moe-kernel.json (tune-moe-kernel-prefill.json, tune-moe-kernel-small.json;
+`--out DIR` or `--out FILE.json` to change).
 """
 from __future__ import annotations
 
@@ -48,6 +49,15 @@ PREFILL = {
              for m, n, k, w, s in itertools.product((64, 128), (64, 128, 256), (64,), (4, 8), (3, 4))],
     "attributes": ("PREFILL_GATE_UP_TILE", "PREFILL_DOWN_TILE"),
 }
+# Up to triton_moe.SMALL_ROWS rows: one page alone decodes one token. Narrow column blocks and
+# fewer warps put more programs on the SMs.
+SMALL = {
+    "tokens": (1, 2, 4, 8),
+    "picked_over": (1, 2, 4, 8),
+    "gate_up": [Tile(*t) for t in itertools.product((16, 32), (16, 32, 64), (64, 128, 256), (2, 4), (2, 3, 4))],
+    "attributes": ("SMALL_GATE_UP_TILE", "SMALL_DOWN_TILE"),
+}
+SMALL["down"] = SMALL["gate_up"]
 LAUNCHES = 10  # per graph: one replay's fixed cost spread thin
 COPY_INTO = "decoder/triton_moe.py"  # the file whose tile constants a maintainer sets from the pick
 
@@ -66,8 +76,8 @@ def tile_source(name: str, tile: Tile) -> str:
 
 
 def main(argv=None):
-    opts = options(argv, prefill=0)
-    mode = PREFILL if opts.prefill else DECODE
+    opts = options(argv, prefill=0, small=0)
+    mode = PREFILL if opts.prefill else SMALL if opts.small else DECODE
     args = DecoderArgs()
     gen = torch.Generator(device="cuda").manual_seed(0)
     experts = Experts(args).to("cuda", torch.bfloat16)
@@ -144,10 +154,10 @@ def main(argv=None):
                **{f"gate_up_us_{t}": totals["gate_up"][chosen["gate_up"]][t] for t in mode["picked_over"]},
                **{f"down_us_{t}": totals["down"][chosen["down"]][t] for t in mode["picked_over"]},
                **{f"forward_speedup_{t}": forward[str(t)]["speedup"] for t in mode["tokens"]}}
-    write_tuning(opts.out, "moe-kernel-prefill" if opts.prefill else "moe-kernel",
+    kind = "prefill" if opts.prefill else "small" if opts.small else "decode"
+    write_tuning(opts.out, "moe-kernel" if kind == "decode" else f"moe-kernel-{kind}",
                  {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-                  "torch": torch.__version__, "experts_weight_gb": weight_gb,
-                  "mode": "prefill" if opts.prefill else "decode",
+                  "torch": torch.__version__, "experts_weight_gb": weight_gb, "mode": kind,
                   "copy_into": copy_into, "source": source,
                   "note": "each kernel's grid ran beside the module's tile of the other; the "
                           "forward comparison runs the chosen tiles",
