@@ -18,8 +18,8 @@ next one, so the host's per-token work of step 3 runs while the GPU decodes. Whi
 run, a step launches their decode step before the new group's prefill (`prefill_behind_decode`):
 the host launches the prefill's kernels while the GPU decodes, and the group's first tokens are
 picked with that decode step's, at the start of the next step. With `overlap_picks`, a step
-with nothing to admit picks on the device and launches the next decode step from those picks
-before reading them back. The KV cache is a
+with no preemption due picks on the device and launches the next decode step (and a prefill
+behind it) from those picks before reading them back. The KV cache is a
 budget of pages (decoder/kv_cache.py): admission waits for free pages, and a sequence that
 finds none preempts the newest (resumed later by one prefill of its context).
 Decoding of each sequence does not depend on its neighbours: rows never attend to each other,
@@ -59,9 +59,9 @@ class GenerationEngine:
     # profiled.) False (DEEPSEEK_OCR_PREFILL_BEHIND_DECODE=0): the prefill first, its tokens
     # picked at once, then the decode step (the reference twin).
     prefill_behind_decode = switches.on("DEEPSEEK_OCR_PREFILL_BEHIND_DECODE")
-    # While sequences decode and no prefill or preemption is due, a step picks the tokens of the
-    # decode step in flight on the device, launches the next decode step from them, and only
-    # then reads them back: the host's per-token work no longer sits between two decode steps
+    # While sequences decode and no preemption is due, a step picks the tokens of the decode
+    # step in flight (and of the prefill behind it) on the device, launches the next decode
+    # step from them (and a new group's prefill behind it), and only then reads them back: the host's per-token work no longer sits between two decode steps
     # (~0.2 ms of a 1.2 ms step at one sequence on an H100). The host is then one token behind:
     # a sequence that ends by EOS runs one more row, unused. Off until measured on a GPU
     # (DEEPSEEK_OCR_OVERLAP_PICKS=1 turns it on); off, every pick is read before the next launch.
@@ -237,49 +237,76 @@ class GenerationEngine:
         return self.output.report(picked, self._retire)
 
     def _overlap_ready(self) -> bool:
-        """A decode step is in flight, and neither a prefill's first tokens, a prefill group nor
-        a preemption is due this step (those take the step that reads its picks first)."""
+        """A decode step is in flight and no preemption is due this step (that takes the step
+        that reads its picks first); nor, without `prefill_behind_decode`, a prefill group."""
         scheduler = self.scheduler
-        if self._inflight is None or self._prefilled is not None:
+        if self._inflight is None:
             return False
         staying = len(scheduler.running) - len(scheduler.leaving)
-        if staying == 0 or ((scheduler.preempted or scheduler.waiting) and staying < self.max_batch):
+        if staying == 0:
+            return False
+        if not self.prefill_behind_decode and (scheduler.preempted or scheduler.waiting) \
+                and staying < self.max_batch:
             return False
         return scheduler.grows_without_preempting()
 
     def _overlapped_step(self) -> list[Delta]:
-        """`overlap_picks`: the in-flight step's picks made on the device (its n-gram bans need
-        only the tokens read back already), their copy to the host queued, retired rows freed
-        and pages grown, the next decode step launched from the picks, and only then the picks
-        read and appended (a sequence that ends here has a row in the step just launched: it
-        leaves when that step is done)."""
+        """`overlap_picks`: the in-flight step's picks (and those of the prefill behind it) made
+        on the device (their n-gram bans need only the tokens read back already), their copy to
+        the host queued, retired rows freed, then the next decode step launched from the picks
+        (with a group's prefill behind it, as `step` does), and only then the picks read and
+        appended (a sequence that ends here has a row in the step just launched: it leaves when
+        that step is done)."""
         scheduler, runner = self.scheduler, self.runner
         rows, logits = self._inflight
-        picks = runner.pick_on_device(rows, logits)  # rows retired already: picked, unused
+        picked_rows, sources = list(rows), [runner.pick_on_device(rows, logits)]  # retired rows: unused
+        if self._prefilled is not None:
+            fresh, fresh_logits, fresh_rows = self._prefilled
+            self._prefilled = None
+            if fresh_rows is not None:
+                fresh_logits = fresh_logits.index_select(0, to_device(torch.tensor(fresh_rows), logits.device))
+            picked_rows += fresh
+            sources.append(runner.pick_on_device(fresh, fresh_logits))
+        picks = torch.cat(sources) if len(sources) > 1 else sources[0]
         read = runner.read_back(picks)
         scheduler.leave_retired()
-        scheduler.grow()  # no preemption: _overlap_ready checked
-        staying = list(scheduler.running)
-        row_of = {id(seq): row for row, seq in enumerate(rows)}
-        order = [row_of[id(seq)] for seq in staying]
-        tokens = (picks[:len(order)] if order == list(range(len(order)))
-                  else picks.index_select(0, to_device(torch.tensor(order), picks.device)))
-        self._inflight = (staying, runner.decode(staying, tokens))
+        row_of = {id(seq): row for row, seq in enumerate(picked_rows)}
+
+        def tokens_for(staying: list[Sequence]) -> torch.Tensor:
+            """Each staying row's token: its pick, or (resumed after a preemption: not picked
+            here) the pending token the host holds."""
+            held = [seq for seq in staying if id(seq) not in row_of]
+            table = picks if not held else torch.cat(
+                [picks, to_device(torch.tensor([seq.pending for seq in held]), picks.device)])
+            at = {**row_of, **{id(seq): len(picked_rows) + i for i, seq in enumerate(held)}}
+            order = [at[id(seq)] for seq in staying]
+            if order == list(range(len(order))):
+                return table[:len(order)]
+            return table.index_select(0, to_device(torch.tensor(order), picks.device))
+
+        if self.prefill_behind_decode:
+            self._decode_then_prefill(tokens_for)
+        else:
+            scheduler.grow()  # no preemption: _overlap_ready checked
+            staying = list(scheduler.running)
+            self._inflight = (staying, runner.decode(staying, tokens_for(staying)))
         self.overlapped_steps += 1
-        values = read()
-        live = [(seq, token) for seq, token in zip(rows, values) if not seq.done]
+        live = [(seq, token) for seq, token in zip(picked_rows, read()) if not seq.done]
         picked = self.output.append_tokens([seq for seq, _ in live], [token for _, token in live])
         self.tokens_generated += len(picked)
+        in_flight = {id(seq) for seq in self._inflight[0]}
         for seq, _, reason in picked:
-            seq.pending = None  # fed to the step just launched
+            if id(seq) in in_flight:
+                seq.pending = None  # fed to the step just launched
             if reason is not None:
                 scheduler.retire(seq, in_flight=True)
         return self.output.report(picked, self._retire)
 
-    def _decode_then_prefill(self) -> None:
+    def _decode_then_prefill(self, tokens_for=None) -> None:
         """`prefill_behind_decode`: the running sequences' pages for their next token, a group
         placed after their rows, their decode step launched, then the group's prefill behind it
-        (one forward); its fresh sequences' first tokens are picked at the next step."""
+        (one forward); its fresh sequences' first tokens are picked at the next step.
+        `tokens_for(rows)`: the rows' tokens on the device (overlapped picks); None: pending."""
         scheduler = self.scheduler
         scheduler.grow()  # before placing a group: preempting never reaches its rows
         rows = list(scheduler.running)
@@ -289,7 +316,7 @@ class GenerationEngine:
             scheduler.place(group)  # before the decode step's table copy, which then holds its rows
         # A decode graph's padded rows may write position 0 of the group's first pages; the
         # prefill behind it on the same stream writes them again.
-        self._inflight = (rows, self.runner.decode(rows))
+        self._inflight = (rows, self.runner.decode(rows, None if tokens_for is None else tokens_for(rows)))
         if not group:
             return
         try:

@@ -504,6 +504,18 @@ def test_overlapped_picks_with_eos_and_preemption_equal_the_reference(tmp_path, 
     assert engine.preemptions > 0 and engine.overlapped_steps > 50
 
 
+def test_overlapped_picks_feed_a_resumed_sequence_its_held_token(model, tokenizer, monkeypatch):
+    """A sequence preempted and resumed (its context prefilled again, behind a decode step)
+    joins an overlapped step with the token the host holds for it, not a pick: both paths
+    generate the same. (Six pages for three growing sequences: one preemption.)"""
+    batch = [make_request(tokenizer, "hello " * (2 + 4 * i), (), n, i, ngram=OFF)
+             for i, n in enumerate((100, 90, 110))]
+    plain, overlapped, engine = run_both_ways(
+        lambda: GenerationEngine(model, tokenizer, max_batch=3, max_len=2048,
+                                 kv_cache_gb=page_budget_gb(model, 6)), {0: batch}, monkeypatch)
+    assert plain == overlapped and engine.preemptions == 1 and engine.overlapped_steps > 100
+
+
 def test_overlapped_picks_with_a_sliding_window_equal_the_reference(tokenizer, monkeypatch):
     """An R-SWA model (Unlimited-OCR's attention, window 8: its gap pages given back while the
     sequences run past 64 tokens): both paths generate the same."""
