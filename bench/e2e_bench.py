@@ -167,7 +167,19 @@ def alone(count: int, max_tokens: int) -> dict:
     return {"pages": count, "max_tokens": max_tokens,
             "ttft_s_p50": statistics.median(p["ttft_s"] for p in pages),
             "total_s_p50": statistics.median(p["total_s"] for p in pages),
-            "ttft_s": [p["ttft_s"] for p in pages], "total_s": [p["total_s"] for p in pages]}
+            "ttft_s": [p["ttft_s"] for p in pages], "total_s": [p["total_s"] for p in pages],
+            "first_token_parts_ms_p50": first_token_parts(count)}
+
+
+def first_token_parts(count: int) -> dict:
+    """Where one page's first token goes (a diagnostic): the same pages again, unstreamed with
+    max_tokens 1, each answer's own stage timings (ms, medians) beside the client's whole wait
+    (`client_ms`); `client_ms` less the app's `total_ms` is the HTTP proxy's share."""
+    parts = []
+    for i in range(count):
+        answer = ocr(uniform_page(f"alone {i}"), 1)
+        parts.append({"client_ms": (answer["answered"] - answer["sent"]) * 1e3, **answer["timings"]})
+    return {key: statistics.median(p[key] for p in parts) for key in parts[0]}
 
 
 def in_process_first_token(checkpoint: str, count: int, device: str) -> dict:
@@ -387,7 +399,8 @@ def repetition(config: str, levels, pages: dict, first_page: bytes, first_tokens
                   f"p50 {row['p50_s']:.2f} s, p99 {row['p99_s']:.2f} s, {row['refusals']} refused", flush=True)
         one_page = alone(ALONE_PAGES, first_tokens)  # after the levels: every graph and kernel warm
         print(f"one page alone, streamed: first token {one_page['ttft_s_p50']:.3f} s, "
-              f"all {one_page['total_s_p50']:.3f} s", flush=True)
+              f"all {one_page['total_s_p50']:.3f} s; unstreamed to one token, ms: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in one_page["first_token_parts_ms_p50"].items()), flush=True)
         tiers = requests.get(f"{URL}/ready", timeout=30).json()["tiers"]
     except Exception:  # the app's side of a failure is in its log (replica logs included)
         log.flush()

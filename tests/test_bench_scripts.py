@@ -68,6 +68,9 @@ def test_e2e_bench_smoke(tmp_path):
     assert 0 < phases["serve_run_started"] < phases["ray_started"] < phases["serve_started"] < phases["ready"]
     assert phases["ready"] < summary["cold_start_s"] + 1  # the log's clock has millisecond stamps
     assert summary["first_page_timings_ms"]["decode_ms"] > 0
+    # One page's first token split by the app's own timings (a diagnostic of the streamed wait).
+    parts = result["reps"][0]["one_page_streamed"]["first_token_parts_ms_p50"]
+    assert parts["client_ms"] >= parts["total_ms"] >= parts["encoding_ms"] > 0 and parts["prefill_ms"] > 0
     assert summary["tokens_per_s_without_refusal"] > 0  # the defaults carry 4 in flight
     rows = result["concurrency"]
     assert set(rows) == {"4"}

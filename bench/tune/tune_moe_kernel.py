@@ -50,11 +50,12 @@ PREFILL = {
     "attributes": ("PREFILL_GATE_UP_TILE", "PREFILL_DOWN_TILE"),
 }
 # Up to triton_moe.SMALL_ROWS rows: one page alone decodes one token. Narrow column blocks and
-# fewer warps put more programs on the SMs.
+# fewer warps put more programs on the SMs; an expert holds a few rows here, so one row block
+# (16) does (36 tiles: each is a compile, and the grid must fit one device call).
 SMALL = {
     "tokens": (1, 2, 4, 8),
     "picked_over": (1, 2, 4, 8),
-    "gate_up": [Tile(*t) for t in itertools.product((16, 32), (16, 32, 64), (64, 128, 256), (2, 4), (2, 3, 4))],
+    "gate_up": [Tile(*t) for t in itertools.product((16,), (16, 32, 64), (64, 128, 256), (2, 4), (2, 4))],
     "attributes": ("SMALL_GATE_UP_TILE", "SMALL_DOWN_TILE"),
 }
 SMALL["down"] = SMALL["gate_up"]
