@@ -75,7 +75,7 @@ SWITCHES = {s.name: s for s in (
     Switch("DEEPSEEK_OCR_PREFILL_BEHIND_DECODE", "1", ON_OFF,
            "while sequences decode, a new prefill runs first and its first tokens are picked at "
            "once, then the decode step (decoder), instead of behind the decode step, picked a step later"),
-    Switch("DEEPSEEK_OCR_OVERLAP_PICKS", "0", ON_OFF,
+    Switch("DEEPSEEK_OCR_OVERLAP_PICKS", "1", ON_OFF,
            "every decode step's tokens read on the host before the next step is launched (decoder); "
            "1: the next step launched from them on the device, read while it runs, off until "
            "measured on a GPU"),

@@ -60,8 +60,8 @@ PREFILL_DOWN_TILE = Tile(128, 256, 64, 8, 4, atomic_add=False)
 # ~6 us of bytes (H100). None: the decode tiles. (GPU tests that set DOWN_TILE for small
 # batches set these too once they are set.)
 SMALL_ROWS = 64
-SMALL_GATE_UP_TILE: Tile | None = None
-SMALL_DOWN_TILE: Tile | None = None
+SMALL_GATE_UP_TILE: Tile | None = Tile(16, 32, 128, 2, 4)
+SMALL_DOWN_TILE: Tile | None = Tile(16, 32, 128, 2, 2)
 
 
 @triton.jit
