@@ -69,16 +69,15 @@ SWITCHES = {s.name: s for s in (
            "DeepSeek-OCR 2's Qwen2 attention in one SDPA with its boolean mask; 1: two mask-free "
            "SDPAs (image rows; query rows causal lower-right), slower on an H100 (one page 17.4 "
            "against 16.2 ms)"),
-    Switch("DEEPSEEK_OCR_SPLIT_REPLAYS", "0", ON_OFF,
-           "an encoder path's batch replays the smallest budget holding it; 1: two smaller budgets "
-           "one after the other where they pad less by more than a view, off until measured on a GPU"),
+    Switch("DEEPSEEK_OCR_SPLIT_REPLAYS", "1", ON_OFF,
+           "an encoder path's batch replays the smallest budget holding it, not two smaller budgets "
+           "one after the other where they pad less by more than a view"),
     Switch("DEEPSEEK_OCR_PREFILL_BEHIND_DECODE", "1", ON_OFF,
            "while sequences decode, a new prefill runs first and its first tokens are picked at "
            "once, then the decode step (decoder), instead of behind the decode step, picked a step later"),
     Switch("DEEPSEEK_OCR_OVERLAP_PICKS", "1", ON_OFF,
-           "every decode step's tokens read on the host before the next step is launched (decoder); "
-           "1: the next step launched from them on the device, read while it runs, off until "
-           "measured on a GPU"),
+           "every decode step's tokens read on the host before the next step is launched (decoder), "
+           "not the next step launched from them on the device and read while it runs"),
     Switch("DEEPSEEK_OCR_PREFILL_GRAPHS", "1", ON_OFF,
            "every prefill launched eagerly, kernel by kernel (decoder), not a one-sequence prefill "
            "replayed from a CUDA graph at its token bucket"),
@@ -93,6 +92,10 @@ SWITCHES = {s.name: s for s in (
            "pageable memory, tensor by tensor, not by large reads into pinned buffers"),
     Switch("DEEPSEEK_OCR_KEEP_FREED_MEMORY", "1", ON_OFF,
            "glibc's default allocator settings in the replicas (freed buffers go back to the OS)"),
+    Switch("DEEPSEEK_OCR_BACKGROUND_PRELOAD", "0", ON_OFF,
+           "each Ray worker imports the deployment modules before it takes work "
+           "(deployments/preload.py); 1: torch and the model packages on a thread, the worker "
+           "taking work at once, off until measured on a GPU machine"),
 )}
 
 

@@ -54,11 +54,11 @@ PREFILL_ROWS = 4096
 PREFILL_GATE_UP_TILE = Tile(128, 128, 64, 8, 3)
 PREFILL_DOWN_TILE = Tile(128, 256, 64, 8, 4, atomic_add=False)
 # Up to SMALL_ROWS sorted rows (8 tokens with the two shared experts: one page alone decodes 1),
-# tiles of their own where set (bench/tune/tune_moe_kernel.py --small 1 picks them): there the
-# decode tiles leave most SMs idle (one token's 8 experts x 14 gate/up column blocks: 112
-# programs on an H100's 132 SMs) and the two kernels took 18 and 16 us a layer against ~12 and
-# ~6 us of bytes (H100). None: the decode tiles. (GPU tests that set DOWN_TILE for small
-# batches set these too once they are set.)
+# tiles of their own (bench/tune/tune_moe_kernel.py --small 1 picks them): there the decode
+# tiles leave most SMs idle (one token's 8 experts x 14 gate/up column blocks: 112 programs on an
+# H100's 132 SMs) and the two kernels took 18 and 16 us a layer against ~12 and ~6 us of bytes;
+# narrow column blocks on 2 warps take 12.7 and 10.6 (H100). None: the decode tiles. (GPU tests
+# that set DOWN_TILE set SMALL_DOWN_TILE too.)
 SMALL_ROWS = 64
 SMALL_GATE_UP_TILE: Tile | None = Tile(16, 32, 128, 2, 4)
 SMALL_DOWN_TILE: Tile | None = Tile(16, 32, 128, 2, 2)

@@ -63,8 +63,8 @@ GB = 1024 ** 3
 PIN_HOST_VIEWS = switches.on("DEEPSEEK_OCR_PIN_HOST_VIEWS")
 # A batch whose views would pad its smallest budget by more than a view replays two smaller
 # budgets one after the other instead (scheduler.PathBudgets.replays): on an H100, 8 and 16
-# OCR-2 pages ran slower from graphs than eagerly (62.7 against 68.8 pages/s), padded 12.5%
-# and 19%. Off until measured on a GPU (DEEPSEEK_OCR_SPLIT_REPLAYS=1 turns it on).
+# OCR-2 pages ran slower from one replay than eagerly (61.7 and 58.3 against 69 pages/s),
+# padded 12.5% and 19%; with two replays 66.3 and 68.7. DEEPSEEK_OCR_SPLIT_REPLAYS=0: one.
 SPLIT_REPLAYS = switches.on("DEEPSEEK_OCR_SPLIT_REPLAYS")
 
 

@@ -131,16 +131,17 @@ with torch.no_grad():
 
 
 def test_moe_tiles_by_rows(monkeypatch):
-    """The expert kernels' tiles by a step's sorted rows: small batches' own where set (the
-    decode tiles until then), decode batches', prefills'."""
+    """The expert kernels' tiles by a step's sorted rows: small batches' own (the decode tiles
+    where unset), decode batches', prefills'."""
     m = pytest.importorskip("decoder.triton_moe")
-    assert m.module_tiles(1) == m.module_tiles(m.SMALL_ROWS + 1) == (m.GATE_UP_TILE, m.DOWN_TILE)
-    small = (m.Tile(16, 32, 128, 2, 3), m.Tile(16, 32, 64, 2, 3))
-    monkeypatch.setattr(m, "SMALL_GATE_UP_TILE", small[0])
-    monkeypatch.setattr(m, "SMALL_DOWN_TILE", small[1])
+    small = (m.SMALL_GATE_UP_TILE, m.SMALL_DOWN_TILE)
+    assert None not in small and small != (m.GATE_UP_TILE, m.DOWN_TILE)
     assert m.module_tiles(1) == m.module_tiles(m.SMALL_ROWS) == small
     assert m.module_tiles(m.SMALL_ROWS + 1) == (m.GATE_UP_TILE, m.DOWN_TILE)
     assert m.module_tiles(m.PREFILL_ROWS) == (m.PREFILL_GATE_UP_TILE, m.PREFILL_DOWN_TILE)
+    monkeypatch.setattr(m, "SMALL_GATE_UP_TILE", None)
+    monkeypatch.setattr(m, "SMALL_DOWN_TILE", None)
+    assert m.module_tiles(1) == (m.GATE_UP_TILE, m.DOWN_TILE)
 
 
 def test_moe_kernels_equal_the_grouped_matmuls_in_triton_interpreter():

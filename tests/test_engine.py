@@ -30,6 +30,16 @@ def tokenizer():
     return ByteTokenizer()
 
 
+def deterministic_expert_sums(monkeypatch) -> None:
+    """The Triton down kernel's stores and one sum (large prefills' way) for decode batches and
+    small ones (their own tiles): its fp32 atomic adds sum a token's experts in an order that
+    varies run to run."""
+    from decoder import triton_moe
+    for name in ("DOWN_TILE", "SMALL_DOWN_TILE"):
+        if getattr(triton_moe, name) is not None:
+            monkeypatch.setattr(triton_moe, name, getattr(triton_moe, name)._replace(atomic_add=False))
+
+
 def make_request(tokenizer, prompt, image_tokens=(), max_tokens=24, seed=0, **params):
     gen = torch.Generator().manual_seed(seed)
     ids = build_prompt(tokenizer, prompt, list(image_tokens))
@@ -360,9 +370,8 @@ def test_overlapped_picks_with_decode_graphs_generate_what_reading_each_pick_doe
     while it runs; pinned buffers in turn): greedy generations, n-gram rule on, sequences
     joining and leaving, equal the reference path's but at near ties (a sequence's unused last
     row can change a step's batch bucket, so rounding may differ)."""
-    from decoder import triton_moe
     # Stores and one sum in the down kernel: its atomic adds' order varies run to run.
-    monkeypatch.setattr(triton_moe, "DOWN_TILE", triton_moe.DOWN_TILE._replace(atomic_add=False))
+    deterministic_expert_sums(monkeypatch)
     model, tokenizer = random_decoder(DecoderArgs(), device="cuda", dtype=torch.bfloat16), ByteTokenizer()
     runs, gaps = {}, {}
     for overlap in (True, False):
@@ -803,7 +812,6 @@ def test_compile_ahead_leaves_generations_unchanged(monkeypatch):
     """Decode graphs captured after compiling the kernels ahead (on garbage) generate the same
     tokens as with the switch off (DEEPSEEK_OCR_COMPILE_AHEAD=0: each kernel compiled at its
     first launch), bit for bit: the same kernels, and nothing of the garbage run left behind."""
-    from decoder import triton_moe
     from decoder.checkpoint import random_decoder
     from decoder.config import DecoderArgs
     # The decode step's down kernel sums each token's experts by fp32 atomic adds, in an order
@@ -811,7 +819,7 @@ def test_compile_ahead_leaves_generations_unchanged(monkeypatch):
     # (seen on the H200: this test failed 1 run in 4 with the switch the only difference).
     # Stores and one sum instead (large prefills' way) are deterministic: the two runs then
     # differ only in what compiling ahead could change.
-    monkeypatch.setattr(triton_moe, "DOWN_TILE", triton_moe.DOWN_TILE._replace(atomic_add=False))
+    deterministic_expert_sums(monkeypatch)
     model = random_decoder(DecoderArgs(), device="cuda", dtype=torch.bfloat16)
     tokenizer = ByteTokenizer()
     prompts = ["first page", "a second, longer prompt " * 8, "3", "table <td>x</td>" * 20]

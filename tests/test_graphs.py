@@ -476,7 +476,12 @@ def test_views_split_into_consecutive_groups():
 @pytest.mark.gpu
 def test_two_replays_equal_one_and_eager(cuda_engine):
     """The local path's 5 crops (one page's 3, another's 2) replayed as 4 + 1 views (the cut
-    inside the second stack) give what one replay of 6 and the eager forward give."""
+    inside the second stack) give what one replay of 6 and the eager forward give, view by view,
+    within bf16's spread between batch sizes. Element-wise bounds do not hold here: on an H100
+    the four views of the 4-view graph equal the 6-view graph's (and eager's) bit for bit, but
+    the one view of the 1-view graph differs by 1.1% (relative; up to 0.2 in 24% of its elements
+    beyond 0.016: kernels specialised for one view, through 36 random layers). A view out of
+    place or overwritten is off by ~1 in relative error, this bound's 50 times."""
     items = [preprocess(image(1191, 1684, i)) for i in range(2)]
     views = [items[0].crops[:3], items[1].crops[:2]]
     local = cuda_engine.local_path
@@ -487,5 +492,8 @@ def test_two_replays_equal_one_and_eager(cuda_engine):
     split, single = local.run(views, two), local.run(views, one)
     assert local.stats.graph_hits == hits + 2
     eager = local.forward(torch.cat(views).cuda())
-    torch.testing.assert_close(split, single, rtol=0.016, atol=0.016)
-    torch.testing.assert_close(split, eager, rtol=0.016, atol=0.016)
+    for name, a, b in (("split-single", split, single), ("split-eager", split, eager),
+                       ("single-eager", single, eager)):
+        errors = [rel_err(x.float(), y.float()) for x, y in zip(a, b)]
+        print(f"{name}: per-view rel err {[f'{e:.4f}' for e in errors]}, max abs {(a - b).abs().max().item():.3f}")
+        assert max(errors) < 0.02, (name, errors)
