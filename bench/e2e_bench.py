@@ -172,12 +172,13 @@ def alone(count: int, max_tokens: int) -> dict:
 
 
 def first_token_parts(count: int) -> dict:
-    """Where one page's first token goes (a diagnostic): the same pages again, unstreamed with
-    max_tokens 1, each answer's own stage timings (ms, medians) beside the client's whole wait
-    (`client_ms`); `client_ms` less the app's `total_ms` is the HTTP proxy's share."""
+    """Where one page's first token goes (a diagnostic): pages like `alone`'s but new to the
+    Routers' encoded-sequence cache, unstreamed with max_tokens 1, each answer's own stage
+    timings (ms, medians) beside the client's whole wait (`client_ms`); `client_ms` less the
+    app's `total_ms` is the HTTP proxy's share."""
     parts = []
     for i in range(count):
-        answer = ocr(uniform_page(f"alone {i}"), 1)
+        answer = ocr(uniform_page(f"alone, one token {i}"), 1)
         parts.append({"client_ms": (answer["answered"] - answer["sent"]) * 1e3, **answer["timings"]})
     return {key: statistics.median(p[key] for p in parts) for key in parts[0]}
 
