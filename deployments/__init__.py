@@ -1,9 +1,10 @@
 """Ray Serve deployments: thin wiring over encoder/, decoder/ and scheduler/."""
 
-# Modules a Ray worker can import before it is given work (`RAY_preload_python_modules` in the
+# The module a Ray worker imports before it is given work (`RAY_preload_python_modules` in the
 # environment of `ray start` or `serve run`): the workers Ray starts ahead then take a replica
-# with torch and the app's modules already imported, so a new replica skips seconds of imports.
-PRELOAD_MODULES = "deployments.encoders,deployments.decoder_server,deployments.router"
+# with torch and the app's modules already imported, so a new replica skips seconds of imports
+# (deployments/preload.py: which modules, and how).
+PRELOAD_MODULES = "deployments.preload"
 
 # The environment a Ray cluster running the app starts with (its processes inherit it; it
 # cannot be set later, per application): preloaded modules, and the middleware through which

@@ -22,13 +22,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STOPS_WITHIN_S = 20  # measured ~8 s on 2 cores (Serve's own teardown ~4 of them); ~28 s before
 
 
-def serve_run(tmp_path, application: str, command=("serve", "run")):
+def serve_run(tmp_path, application: str, command=("serve", "run"), env_set: dict | None = None):
     """`serve run` (or `command`: a console script and its arguments) of a config holding
-    `application` (YAML of one application, beside a free port) as a user runs it: (the process,
-    its URL, its log's path). An import path always takes port 8000, which another copy of the
-    suite may hold."""
+    `application` (YAML of one application, beside a free port) as a user runs it, with
+    `env_set` added to the environment: (the process, its URL, its log's path). An import path
+    always takes port 8000, which another copy of the suite may hold."""
     serve_cli = [os.path.join(os.path.dirname(sys.executable), command[0]), *command[1:]]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | (env_set or {})
     port = free_port()
     config = tmp_path / "app.yaml"
     config.write_text(f"http_options: {{host: 127.0.0.1, port: {port}}}\napplications:\n{application}")
@@ -68,12 +68,15 @@ def interrupt(proc) -> tuple[object, float]:
 
 
 @pytest.mark.slow
-def test_health_and_ready_answer_within_a_second_while_the_app_starts(tmp_path):
+@pytest.mark.parametrize("background_preload", ["0", "1"])
+def test_health_and_ready_answer_within_a_second_while_the_app_starts(tmp_path, background_preload):
     """From the moment the port accepts, every probe is answered within a second: 503
     "starting" (Serve's proxy, deployments/probes.py) until a Router is up, then the Router's
-    own answers, until /ready says ready. Started as the README starts a config file."""
+    own answers, until /ready says ready. Started as the README starts a config file; with
+    the workers' preload before they take work (the default) and on a thread."""
     proc, url, log = serve_run(tmp_path, "- {name: default, route_prefix: /, import_path: deployments.app:app}\n",
-                               command=("deepseek-ocr", "serve"))
+                               command=("deepseek-ocr", "serve"),
+                               env_set={"DEEPSEEK_OCR_BACKGROUND_PRELOAD": background_preload})
     port = int(url.rsplit(":", 1)[1])
     answers = []  # (path, status, body's "status", seconds it took)
     try:
@@ -101,10 +104,36 @@ def test_health_and_ready_answer_within_a_second_while_the_app_starts(tmp_path):
     # Held probe calls finish in the proxy: none cancelled, so no RequestCancelledError tracebacks
     # in the log (one per probe of the start-up when they were cancelled).
     assert "RequestCancelledError" not in log.read_text()
+    assert "preloading" not in log.read_text()  # no preload failed (deployments/preload.py)
     statuses = {a[:3] for a in answers}
     assert ("/health", 503, "starting") in statuses and ("/ready", 503, "starting") in statuses
     assert statuses <= {("/health", 503, "starting"), ("/ready", 503, "starting"),
                         ("/health", 200, "ok"), ("/ready", 503, "not ready"), ("/ready", 200, "ready")}
+
+
+@pytest.mark.parametrize("background_preload", ["0", "1"])
+def test_preload_imports_the_deployments_or_their_ray_free_bulk_on_a_thread(background_preload):
+    """A worker's preload (deployments/preload.py): every deployment module before it returns;
+    or with DEEPSEEK_OCR_BACKGROUND_PRELOAD=1 torch and the model packages on a thread, and
+    none of Ray's modules (which the main thread may be importing). The deployments import
+    after it either way (a replica's constructor racing the thread: the Serve test with it)."""
+    script = """
+import sys
+import deployments.preload as preload
+if preload.thread is None:
+    assert all(m in sys.modules for m in preload.DEPLOYMENT_MODULES)
+else:
+    preload.thread.join()
+    assert all(m in sys.modules for m in preload.RAY_FREE_MODULES)
+    assert not [m for m in sys.modules if m == "ray" or m.startswith("ray.")]
+import deployments.router, deployments.decoder_server, deployments.encoders
+print("imported", preload.thread is not None)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          env=env | {"DEEPSEEK_OCR_BACKGROUND_PRELOAD": background_preload})
+    assert done.returncode == 0 and "preloading" not in done.stderr, done.stderr[-3000:]
+    assert done.stdout.split() == ["imported", str(background_preload == "1")]
 
 
 def test_the_app_sets_the_start_up_environment_before_ray_starts():
