@@ -21,8 +21,10 @@ decoder/triton_rope.py); `decode_graphs_unfused_routing`, `decode_graphs_torch_n
 routing and the norms' reference twins); `decode_graphs_prefill_first` (the engine's former
 order: a prefill first, then the decode step); `decode_graphs_eager_prefill` (every prefill
 launched eagerly: DEEPSEEK_OCR_PREFILL_GRAPHS=0, the twin of the prefill graphs);
-`decode_graphs_overlap_picks` (the next decode step launched from the last one's picks on the
-device, read back while it runs: DEEPSEEK_OCR_OVERLAP_PICKS=1). `--code DIR`
+`decode_graphs_fp8_kv` (the KV cache in 8-bit floats, `kv_cache_dtype="fp8"`, with its logits'
+error against the model dtype's cache; the bound stays the model dtype's bytes);
+`decode_graphs_picks_first` (each decode step's picks read before the next is launched:
+DEEPSEEK_OCR_OVERLAP_PICKS=0, the twin of the overlapped picks). `--code DIR`
 imports the decoder package from DIR instead (an older checkout, for an A/B in one run on one
 machine).
 
@@ -130,7 +132,8 @@ def main(argv=None):
                                  "decode_graphs_grouped_mm", "decode_graphs_prefill_grouped_mm",
                                  "decode_graphs_torch_rope", "decode_graphs_unfused_routing",
                                  "decode_graphs_torch_norm", "decode_graphs_prefill_first",
-                                 "decode_graphs_eager_prefill", "decode_graphs_overlap_picks"])
+                                 "decode_graphs_eager_prefill", "decode_graphs_picks_first",
+                                 "decode_graphs_fp8_kv"])
     parser.add_argument("--code", help="import the decoder package from this directory")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per concurrency "
                         "(median; default 3, --smoke 1)")
@@ -263,16 +266,17 @@ def make_engine(model, tokenizer, variant: str, max_batch: int, max_len: int):
     """The engine of `variant`, warmed up, and the warm-up's seconds (with graphs, the first
     step captures them all). Decode graphs only on CUDA (CPU smoke runs: eager)."""
     graphs = variant != "eager" and torch.cuda.is_available()
+    fp8 = {"kv_cache_dtype": "fp8"} if variant == "decode_graphs_fp8_kv" else {}  # the option's path
     engine = GenerationEngine(model, tokenizer, max_batch=max_batch, max_len=max_len,
-                              decode_graphs=graphs)
+                              decode_graphs=graphs, **fp8)
     if variant == "decode_graphs_gather":
         engine.cache.kernel = "gather"  # before the first step captures the graphs
     if hasattr(engine, "prefill_behind_decode"):  # the old order: prefill, pick, then decode
         engine.prefill_behind_decode = variant != "decode_graphs_prefill_first"
     if variant == "decode_graphs_eager_prefill":  # DEEPSEEK_OCR_PREFILL_GRAPHS=0's path
         engine.runner.prefill_graphs_on = False  # before prepare() captures them
-    if variant == "decode_graphs_overlap_picks":  # DEEPSEEK_OCR_OVERLAP_PICKS=1's path
-        engine.overlap_picks = True
+    if hasattr(engine, "overlap_picks"):  # DEEPSEEK_OCR_OVERLAP_PICKS=0's path: picks read first
+        engine.overlap_picks = variant != "decode_graphs_picks_first"
     # Older code (--code) has no packed projections to unpack.
     if hasattr(model, "use_fused_projections"):
         model.use_fused_projections(variant != "decode_graphs_separate")
@@ -291,6 +295,36 @@ def make_engine(model, tokenizer, variant: str, max_batch: int, max_len: int):
     warm = GenerationRequest([0, 5, 6], params=SamplingParams(max_tokens=4, ignore_eos=True))
     engine.generate([warm])
     return engine, time.perf_counter() - start
+
+
+def fp8_kv_logit_error(model, prompt_embeds: torch.Tensor, steps: int = 64) -> dict:
+    """What an fp8 KV cache (kv_cache_dtype "fp8") changes in the logits: a page's embeddings
+    prefilled, then `steps` decode steps fed the model-dtype cache's greedy tokens, in a cache of
+    each type; per step, the logits' relative error against the model dtype's (median, max),
+    and how often the greedy token agrees."""
+    from decoder.kv_cache import PAGE_TOKENS, kv_dtype, pages_for
+    args, n, device = model.args, prompt_embeds.shape[0], model.device
+    kv_len = pages_for(n + steps) * PAGE_TOKENS
+    logits, greedy = {}, None
+    for name in ("auto", "fp8"):
+        cache = KVCache(args.n_layers, args.n_heads, args.head_dim, pages_for(kv_len), 1, kv_len, device,
+                        kv_dtype(name, model.dtype))
+        cache.reserve(0, kv_len)
+        cache.sync()
+        tokens = []
+        with torch.inference_mode():
+            out = [model(inputs_embeds=prompt_embeds[None].to(device), step=CacheStep(cache, slot=0),
+                         logits_at=torch.tensor([n - 1], device=device)).float().flatten()]
+            for i in range(steps):
+                tokens.append(greedy[i] if greedy else int(out[-1].argmax()))
+                position = torch.tensor([n + i], device=device)
+                out.append(model(input_ids=torch.tensor([[tokens[-1]]], device=device), positions=position[:, None],
+                                 step=CacheStep(cache, positions=position, kv_len=kv_len)).float().flatten())
+        greedy, logits[name] = greedy or tokens, out
+    errors = [float((f - a).norm() / a.norm()) for a, f in zip(logits["auto"], logits["fp8"])]
+    agree = [int(a.argmax()) == int(f.argmax()) for a, f in zip(logits["auto"], logits["fp8"])]
+    return {"steps": steps, "prompt_tokens": n, "rel_err_median": statistics.median(errors),
+            "rel_err_max": max(errors), "greedy_agreement": sum(agree) / len(agree)}
 
 
 def write(opts, variants: dict, weights_gb: float) -> None:
@@ -568,6 +602,10 @@ def measure_realistic(opts) -> None:
         rows = {"setup_s": setup_s, "decode_graphs": engine.decode_graphs is not None,
                 "kv_cache_tokens": engine.cache.capacity_tokens}
         variants[variant] = rows
+        if variant == "decode_graphs_fp8_kv":  # against the model dtype's cache; bound: bf16's bytes
+            rows["logit_error_vs_model_dtype"] = error = fp8_kv_logit_error(model, embeds[ONE_PAGE["image_tokens"]])
+            print(f"{variant} logits vs the model dtype's cache: rel err median {error['rel_err_median']:.2e}, "
+                  f"max {error['rel_err_max']:.2e}, greedy agreement {error['greedy_agreement']:.2f}", flush=True)
         write = write_profile if opts.profile_only else write_realistic
         for n in () if opts.profile_only else levels:
             runs = sorted((closed_loop(engine, page_requests(specs[n], tokenizer, embeds, token_scale), n, cost)

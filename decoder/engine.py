@@ -39,7 +39,7 @@ import torch
 
 from common import switches
 
-from .kv_cache import KVCache, cache_pages
+from .kv_cache import KVCache, cache_pages, kv_dtype
 from .model import Decoder
 from .output import OutputProcessor
 from .running import ModelRunner, to_device
@@ -71,17 +71,18 @@ class GenerationEngine:
 
     def __init__(self, model: Decoder, tokenizer, max_batch: int = 256, max_len: int | None = None,
                  decode_graphs: bool | None = None, prefill_tokens: int = 16384,
-                 kv_cache_gb: float | None = None):
+                 kv_cache_gb: float | None = None, kv_cache_dtype: str = "auto"):
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         max_len = max_len or model.args.max_positions
         # The KV cache is a budget of pages (decoder/kv_cache.py): up to max_batch sequences run
         # while their pages fit; when they run out, the newest sequences are preempted (their
         # pages freed, their context recomputed by a prefill when pages are free again).
-        args = model.args
-        per_token = KVCache.bytes_per_token(args.n_layers, args.n_heads, args.head_dim, model.dtype)
+        # kv_cache_dtype "fp8": keys and values in 8-bit floats (decoder/kv_cache.py).
+        args, cache_dtype = model.args, kv_dtype(kv_cache_dtype, model.dtype)
+        per_token = KVCache.bytes_per_token(args.n_layers, args.n_heads, args.head_dim, cache_dtype)
         self.cache = KVCache(args.n_layers, args.n_heads, args.head_dim,
                              cache_pages(kv_cache_gb, per_token, max_batch, max_len, model.device),
-                             max_batch, max_len, model.device, model.dtype)
+                             max_batch, max_len, model.device, cache_dtype)
         self.max_len = min(max_len, self.cache.capacity_tokens)  # one sequence always fits
         self.scheduler = Scheduler(self.cache, tokenizer, max_batch, self.max_len, prefill_tokens,
                                    window=args.sliding_window)

@@ -30,6 +30,28 @@ from common import switches
 from .pages import PAGE_TOKENS
 
 SCRATCH_PAGE = 0
+# The cache's element types (`GenerationEngine(kv_cache_dtype=...)`): the model's own, or 8-bit
+# floats (vLLM's kv_cache_dtype="fp8", its default scale 1: keys and values stored as they are),
+# half the bytes a decode step reads and twice the tokens a cache holds, at fp8's precision.
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448: larger values are stored as this (saturated)
+
+
+def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
+    return FP8 if name == "fp8" else model_dtype
+
+
+def stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` as a cache of `dtype` keeps it: fp8 saturated at its largest finite value (a GPU's
+    conversion in the Triton write does the same; a plain cast would give NaN)."""
+    if x.dtype == dtype:
+        return x
+    if dtype == FP8:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return x.to(dtype)
 
 
 def pages_for(tokens: int) -> int:
@@ -163,7 +185,7 @@ class KVCache:
         pages = rows[:, :n].reshape(-1).long()
         for cache, new in ((self.k, k), (self.v, v)):
             paged = F.pad(new, (0, 0, 0, n * PAGE_TOKENS - t)).view(b, h, n, PAGE_TOKENS, d)
-            cache[layer][pages] = paged.transpose(1, 2).reshape(b * n, h, PAGE_TOKENS, d)
+            cache[layer][pages] = stored(paged.transpose(1, 2).reshape(b * n, h, PAGE_TOKENS, d), cache.dtype)
 
     def rope_and_write(self, layer: int, qkv, cos, sin, n_heads: int, first_row: int = 0,
                        positions=None, table=None):
@@ -180,8 +202,8 @@ class KVCache:
         rows = self.table[:positions.shape[0]]
         pages = rows.gather(1, (positions // PAGE_TOKENS)[:, None].long())[:, 0].long()
         offsets = positions % PAGE_TOKENS
-        self.k[layer][pages, :, offsets] = k
-        self.v[layer][pages, :, offsets] = v
+        self.k[layer][pages, :, offsets] = stored(k, self.k.dtype)
+        self.v[layer][pages, :, offsets] = stored(v, self.v.dtype)
 
     def attend(self, layer: int, q, positions, kv_len: int, prompt_lens=None, window: int | None = None):
         """q [S, H, 1, d] of rows 0..S-1, each at `positions`; keys and values at positions
@@ -206,7 +228,7 @@ def gathered_decode_attention(q, k_pages, v_pages, rows, positions, kv_len: int,
     and for R-SWA (`window`) those between the row's prompt and its last `window` too."""
     s, h, _, d = q.shape
     n = pages_for(kv_len)
-    keys, values = (pages[rows[:, :n].long()].transpose(1, 2).reshape(s, h, n * PAGE_TOKENS, d)
+    keys, values = (pages[rows[:, :n].long()].transpose(1, 2).reshape(s, h, n * PAGE_TOKENS, d).to(q.dtype)
                     for pages in (k_pages, v_pages))
     j, p = torch.arange(n * PAGE_TOKENS, device=q.device)[None], positions[:, None]
     visible = j <= p

@@ -56,10 +56,10 @@ def _rope_cache_kernel(QKV, COS, SIN, START, QK, KC, VC, TABLE, t_len, blocks_pe
         x_cos = (x * cos).to(QK.dtype.element_ty).to(tl.float32)
         out = (x_cos + x_rolled * sin).to(QK.dtype.element_ty)
         tl.store(QK + token * s_qk_t + (part * N_HEADS + h) * D + cols[None, :], out, mask=mask)
-        if part == 1:
-            tl.store(KC + cache, out, mask=mask)
+        if part == 1:  # to the cache's type (an fp8 cache: saturated, as kv_cache.stored)
+            tl.store(KC + cache, out.to(tl.float32).to(KC.dtype.element_ty), mask=mask)
     v = tl.load(QKV + token * s_qkv_t + (2 * N_HEADS + h) * D + cols[None, :], mask=mask, other=0.0)
-    tl.store(VC + cache, v, mask=mask)
+    tl.store(VC + cache, v.to(tl.float32).to(VC.dtype.element_ty), mask=mask)
 
 
 def rope_and_write_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -51,6 +52,10 @@ class AppConfig(BaseModel):
         None, gt=0, description="decoder KV-cache size in GB (pages shared by all sequences); "
         "none: 70% of what the decoder's GPU memory share leaves after weights, less a 4 GB "
         "working reserve (CPU: up to 256 MB)")
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto", description="decoder KV-cache element type: `auto` the model's (bf16 on a GPU); "
+        "`fp8` 8-bit floats (e4m3, as vLLM's kv_cache_dtype=fp8): twice the tokens in the same "
+        "memory and half the bytes a decode step reads, at fp8's precision (docs/results.md)")
     max_len: int | None = Field(
         None, ge=1024, description="decoder context in tokens; none: the checkpoint's")
     one_encoder: bool = Field(
@@ -196,7 +201,7 @@ class AppConfig(BaseModel):
 # limits, admission, fetching) are the app's, shared by every model.
 MODEL_ARGUMENTS = frozenset({
     "checkpoint", "encode_only", "use_graphs", "max_images", "max_graph_memory_gb", "max_batch",
-    "decoder_queue", "kv_cache_gb", "max_len", "one_encoder", "encoder_in_router", "views_on_encoder",
+    "decoder_queue", "kv_cache_gb", "kv_cache_dtype", "max_len", "one_encoder", "encoder_in_router", "views_on_encoder",
     "decode_on_encoder", "views_on_arrival", "encoder_decode_threads", "encoder_cache_mb",
     "gpu_memory_fraction_global", "gpu_memory_fraction_local", "gpu_memory_fraction_decoder"})
 

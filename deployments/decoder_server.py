@@ -49,7 +49,8 @@ class DecoderServer:
         # use_graphs None: decode-step CUDA graphs on a GPU, eager on CPU.
         self.engine = AsyncEngine(GenerationEngine(model, tokenizer, config.max_batch, config.max_len,
                                                    decode_graphs=config.use_graphs,
-                                                   kv_cache_gb=config.kv_cache_gb))
+                                                   kv_cache_gb=config.kv_cache_gb,
+                                                   kv_cache_dtype=config.kv_cache_dtype))
         # "graphs": the KV cache's allocation and the decode and sampler graphs' capture, of
         # which "graphs_compile_ahead" compiling their Triton kernels on threads first.
         self.startup_s = startup_phases(constructor_start, cuda=cuda, weights=weights,

@@ -230,3 +230,28 @@ def test_every_result_records_the_switches_and_the_code(tmp_path, monkeypatch):
     assert code["commit"] is None or len(code["commit"]) == 40
     again = json.loads(open(write_result(str(tmp_path), "probe2", {"date": "d", "code": {"kept": 1}})).read())
     assert again["code"] == {"kept": 1}  # a result that names its code keeps it
+
+
+def test_fp8_kv_cache_variant_and_its_logit_error(monkeypatch):
+    """decoder_bench's `decode_graphs_fp8_kv`: the engine keeps its KV cache in fp8; the logits'
+    error it reports is measured (near, never equal), teacher-forced on the same tokens."""
+    import torch
+
+    from decoder.checkpoint import random_decoder
+    from decoder.config import DecoderArgs
+    from decoder.engine import GenerationEngine, GenerationRequest, SamplingParams
+    from decoder.kv_cache import KVCache
+    from decoder.model import CacheStep, Experts
+    from decoder.tokenizer import ByteTokenizer
+    for name, value in (("GenerationEngine", GenerationEngine), ("GenerationRequest", GenerationRequest),
+                        ("SamplingParams", SamplingParams), ("KVCache", KVCache), ("CacheStep", CacheStep),
+                        ("Experts", Experts)):
+        monkeypatch.setattr(decoder_bench, name, value, raising=False)  # main() imports them
+    model = random_decoder(DecoderArgs.tiny())
+    engine, _ = decoder_bench.make_engine(model, ByteTokenizer(), "decode_graphs_fp8_kv", 2, 512)
+    assert engine.cache.k.dtype == torch.float8_e4m3fn and engine.overlap_picks
+    plain, _ = decoder_bench.make_engine(model, ByteTokenizer(), "decode_graphs_picks_first", 2, 512)
+    assert plain.cache.k.dtype == torch.float32 and not plain.overlap_picks
+    error = decoder_bench.fp8_kv_logit_error(model, torch.randn(70, model.args.hidden), steps=8)
+    assert error["steps"] == 8 and error["prompt_tokens"] == 70
+    assert 0 < error["rel_err_median"] <= error["rel_err_max"] < 0.5 and 0 <= error["greedy_agreement"] <= 1

@@ -490,10 +490,13 @@ def test_norm_kernel_logits_equal_torch_norms_on_gpu():
 
 
 @pytest.mark.gpu
-def test_rope_kernel_equals_rope_and_cache_writes_on_gpu():
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_rope_kernel_equals_rope_and_cache_writes_on_gpu(cache_dtype):
     """decoder/triton_rope.py at real dims in bf16 against apply_rope + KVCache.write_prefill /
     write_decode, for a prefill and then a decode step: it keeps the reference's bf16 roundings,
-    so the cache pages and logits agree but for fused multiply-adds."""
+    so the cache pages and logits agree but for fused multiply-adds; into an fp8 cache too (the
+    kernel's conversion against `kv_cache.stored`: Triton's CPU interpreter gets fp8's rounding
+    wrong where it carries into the exponent, 1.99 -> 1.0, so this one needs the GPU)."""
     from decoder.checkpoint import random_decoder
     from decoder.kv_cache import SCRATCH_PAGE, KVCache
     from decoder.model import CacheStep
@@ -505,7 +508,7 @@ def test_rope_kernel_equals_rope_and_cache_writes_on_gpu():
     out = {}
     for kernel in ("torch", "triton"):
         model.use_rope_kernel(kernel)
-        cache = KVCache(args.n_layers, args.n_heads, args.head_dim, 80, 4, 1024, "cuda", torch.bfloat16)
+        cache = KVCache(args.n_layers, args.n_heads, args.head_dim, 80, 4, 1024, "cuda", cache_dtype)
         for row, n in enumerate(lengths.tolist()):
             cache.reserve(row, n + 1)
         cache.sync()
@@ -516,8 +519,9 @@ def test_rope_kernel_equals_rope_and_cache_writes_on_gpu():
         keep = torch.arange(cache.k.shape[1], device="cuda") != SCRATCH_PAGE
         out[kernel] = torch.cat([prefill.flatten(), step.flatten()]), cache.k[:, keep], cache.v[:, keep]
     model.use_rope_kernel()
-    errs = {name: rel_err(fused, ref) for name, ref, fused in zip(("logits", "k", "v"), out["torch"], out["triton"])}
-    print("rope kernel vs reference (bf16): " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+    errs = {name: rel_err(fused.float(), ref.float())
+            for name, ref, fused in zip(("logits", "k", "v"), out["torch"], out["triton"])}
+    print(f"rope kernel vs reference ({cache_dtype}): " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
     assert errs["logits"] <= 1e-2 and errs["k"] <= 1e-2 and errs["v"] <= 1e-2
 
 

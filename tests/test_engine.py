@@ -95,6 +95,43 @@ def test_continuous_batching_equals_alone(model, tokenizer, ngram, max_batch):
     assert together[1].prompt_tokens == 1 + len(tokenizer.encode("hello"))
 
 
+def test_an_fp8_kv_cache_holds_more_tokens_and_attends_near_the_model_dtypes(model, tokenizer):
+    """kv_cache_dtype "fp8": keys and values stored in 8-bit floats (saturated at 448), the
+    same memory holding 4x an fp32 cache's tokens (2x bf16's); attention over it within fp8's
+    precision of the full-precision cache's; generations run to their lengths, batched as alone."""
+    engines = {name: GenerationEngine(model, tokenizer, max_batch=5, max_len=2048, kv_cache_gb=0.05,
+                                      kv_cache_dtype=name) for name in ("auto", "fp8")}
+    assert engines["fp8"].cache.k.dtype == torch.float8_e4m3fn and engines["auto"].cache.k.dtype == torch.float32
+    assert engines["fp8"].cache.num_pages // 4 == engines["auto"].cache.num_pages  # whole pages of one budget
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        GenerationEngine(model, tokenizer, max_batch=1, kv_cache_dtype="int8")
+    from decoder.kv_cache import FP8_MAX, stored
+    big = torch.tensor([1e4, -1e4, 0.5, 3.0])
+    assert stored(big, torch.float8_e4m3fn).float().tolist() == [FP8_MAX, -FP8_MAX, 0.5, 3.0]
+    # One decode step's attention over the same keys and values, kept both ways.
+    gen = torch.Generator().manual_seed(0)
+    heads, d, rows, kv_len = model.args.n_heads, model.args.head_dim, 4, 300
+    outs = []
+    for cache in (engines["auto"].cache, engines["fp8"].cache):
+        for row in range(rows):
+            cache.reserve(row, kv_len)
+        cache.sync()
+        gen.manual_seed(0)
+        k, v = (torch.randn(rows, heads, kv_len, d, generator=gen) for _ in range(2))
+        cache.write_prefill(0, 0, k, v)
+        q = torch.randn(rows, heads, 1, d, generator=gen)
+        outs.append(cache.attend(0, q, torch.tensor([299, 0, 64, 150]), kv_len))
+        cache.clear()
+    err = rel_err(outs[1], outs[0])
+    print(f"fp8 cache attention vs fp32: {err:.2e}")
+    assert 1e-4 < err < 5e-2  # fp8 keeps 3 mantissa bits: ~2% off, never equal
+    together = engines["fp8"].generate(requests(tokenizer))
+    alone = [GenerationEngine(model, tokenizer, max_batch=1, max_len=2048, kv_cache_dtype="fp8").generate([r])[0]
+             for r in requests(tokenizer)]
+    assert [t.token_ids for t in together] == [a.token_ids for a in alone]
+    assert all(t.finished for t in together)
+
+
 def test_ngram_rule_holds_in_generated_tokens(model, tokenizer):
     n, window = 3, 20
     request = make_request(tokenizer, "zz", (), 60, ngram=NGramConfig(ngram_size=n, window=window))
@@ -712,7 +749,7 @@ def test_paged_kernel_equals_the_gathered_reference_in_triton_interpreter():
     triton = pytest.importorskip("triton")  # noqa: F841
     code = """
 import torch
-from decoder.kv_cache import PAGE_TOKENS, gathered_decode_attention
+from decoder.kv_cache import FP8, PAGE_TOKENS, gathered_decode_attention, stored
 from decoder.triton_paged_attention import paged_decode_attention, split_tokens_for
 torch.manual_seed(0)
 heads, d, pages = 3, 32, 40
@@ -728,21 +765,30 @@ for rows, kv_len, positions, block, split in [(1, 1024, [1023], 64, 128), (4, 30
                                  split_tokens=split).view(rows, 1, heads * d)
     print(rows, -(-kv_len // (split or split_tokens_for(rows))), float((out - ref).abs().max()))
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+# An fp8 cache (kv_cache_dtype "fp8"): the kernel reads its values as the reference does.
+k8, v8 = stored(k * 4, FP8), stored(v * 4, FP8)
+out = paged_decode_attention(q[:, :, 0], k8, v8, table, p, kv_len, block_t=32).view(rows, 1, heads * d)
+ref = gathered_decode_attention(q, k8, v8, table, p, kv_len)
+print(rows, -(-kv_len // split_tokens_for(rows)), float((out - ref).abs().max()), "fp8")
+assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
 """
     stdout = run_in_triton_interpreter(code, timeout=300)
     splits = [int(line.split()[1]) for line in stdout.split("\n") if line]
     assert splits[0] > 1 and splits[2] == 1, stdout  # both the split and the one-split path
     assert splits[3] == 16, stdout  # one row: 64 tokens a program
+    assert len(splits) == 5 and stdout.strip().endswith("fp8"), stdout
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("rows,kv_len", [(1, 8192), (16, 1536), (64, 2048), (256, 1024)])
-def test_paged_kernel_equals_the_gathered_reference_on_gpu(rows, kv_len):
+def test_paged_kernel_equals_the_gathered_reference_on_gpu(rows, kv_len, cache_dtype):
+    from decoder.kv_cache import stored
     from decoder.triton_paged_attention import paged_decode_attention
     torch.manual_seed(0)
     heads, d, pages = 10, 128, rows * pages_for(kv_len) + 1
-    k = torch.randn(pages, heads, PAGE_TOKENS, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+    k = stored(torch.randn(pages, heads, PAGE_TOKENS, d, device="cuda", dtype=torch.bfloat16), cache_dtype)
+    v = stored(torch.randn(k.shape, device="cuda", dtype=torch.bfloat16), cache_dtype)
     table = (torch.randperm(pages - 1, device="cuda")[:rows * pages_for(kv_len)] + 1).view(rows, -1).int()
     p = torch.randint(0, kv_len, (rows,), device="cuda")
     p[0] = kv_len - 1
@@ -750,7 +796,7 @@ def test_paged_kernel_equals_the_gathered_reference_on_gpu(rows, kv_len):
     ref = gathered_decode_attention(q.float(), k.float(), v.float(), table, p, kv_len)
     out = paged_decode_attention(q[:, :, 0], k, v, table, p, kv_len).view(rows, 1, heads * d)
     err = ((out.float() - ref).norm() / ref.norm()).item()
-    print(f"rows {rows} kv_len {kv_len}: paged kernel vs fp32 reference {err:.2e}")
+    print(f"rows {rows} kv_len {kv_len} {cache_dtype}: paged kernel vs fp32 reference {err:.2e}")
     assert err < 1e-2
 
 
