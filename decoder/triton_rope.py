@@ -22,6 +22,7 @@ import triton.language as tl
 
 from common.triton_compile import launch_kernel
 
+from .kv_cache import FP8, FP8_MAX
 from .pages import PAGE_TOKENS
 
 
@@ -31,7 +32,7 @@ from .pages import PAGE_TOKENS
 def _rope_cache_kernel(QKV, COS, SIN, START, QK, KC, VC, TABLE, t_len, blocks_per_row,
                        s_qkv_t, s_qk_t, s_cs_t, s_c_page, s_c_head, s_table,
                        N_HEADS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                       BLOCK_T: tl.constexpr, HAS_START: tl.constexpr):
+                       BLOCK_T: tl.constexpr, HAS_START: tl.constexpr, CACHE_MAX: tl.constexpr):
     row_block = tl.program_id(0)
     h = tl.program_id(1)
     b = row_block // blocks_per_row
@@ -56,10 +57,19 @@ def _rope_cache_kernel(QKV, COS, SIN, START, QK, KC, VC, TABLE, t_len, blocks_pe
         x_cos = (x * cos).to(QK.dtype.element_ty).to(tl.float32)
         out = (x_cos + x_rolled * sin).to(QK.dtype.element_ty)
         tl.store(QK + token * s_qk_t + (part * N_HEADS + h) * D + cols[None, :], out, mask=mask)
-        if part == 1:  # to the cache's type (an fp8 cache: saturated, as kv_cache.stored)
-            tl.store(KC + cache, out.to(tl.float32).to(KC.dtype.element_ty), mask=mask)
+        if part == 1:
+            tl.store(KC + cache, _to_cache(out, KC.dtype.element_ty, CACHE_MAX), mask=mask)
     v = tl.load(QKV + token * s_qkv_t + (2 * N_HEADS + h) * D + cols[None, :], mask=mask, other=0.0)
-    tl.store(VC + cache, v.to(tl.float32).to(VC.dtype.element_ty), mask=mask)
+    tl.store(VC + cache, _to_cache(v, VC.dtype.element_ty, CACHE_MAX), mask=mask)
+
+
+@triton.jit
+def _to_cache(x, dtype: tl.constexpr, CACHE_MAX: tl.constexpr):
+    """x in the cache's type; an fp8 cache (CACHE_MAX its largest value) saturates first, as
+    kv_cache.stored does (a plain conversion of a larger value is no number)."""
+    if CACHE_MAX > 0:
+        x = tl.clamp(x.to(tl.float32), -CACHE_MAX, CACHE_MAX)
+    return x.to(dtype)
 
 
 def rope_and_write_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -82,5 +92,6 @@ def rope_and_write_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         qkv, cos, sin, table_rows if start is None else start, qk, k_cache, v_cache, table_rows, t,
         blocks_per_row, qkv.stride(1), qk.stride(1), cos.stride(1), k_cache.stride(0),
         k_cache.stride(1), table_rows.stride(0), N_HEADS=n_heads, D=d, PAGE=PAGE_TOKENS,
-        BLOCK_T=block_t, HAS_START=start is not None)
+        BLOCK_T=block_t, HAS_START=start is not None,
+        CACHE_MAX=FP8_MAX if k_cache.dtype == FP8 else 0.0)
     return qk

@@ -55,7 +55,7 @@ class AppConfig(BaseModel):
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
         "auto", description="decoder KV-cache element type: `auto` the model's (bf16 on a GPU); "
         "`fp8` 8-bit floats (e4m3, as vLLM's kv_cache_dtype=fp8): twice the tokens in the same "
-        "memory and half the bytes a decode step reads, at fp8's precision (docs/results.md)")
+        "memory and half the bytes a decode step reads, at fp8's precision (docs/design.md)")
     max_len: int | None = Field(
         None, ge=1024, description="decoder context in tokens; none: the checkpoint's")
     one_encoder: bool = Field(

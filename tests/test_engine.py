@@ -132,6 +132,29 @@ def test_an_fp8_kv_cache_holds_more_tokens_and_attends_near_the_model_dtypes(mod
     assert all(t.finished for t in together)
 
 
+def test_the_rope_kernels_fp8_write_saturates_as_the_reference_in_triton_interpreter():
+    """Keys and values over fp8's largest value are stored as it by the RoPE kernel's write, as
+    `kv_cache.stored` does (a plain conversion gives no number). Values fp8 holds exactly: the
+    interpreter's own fp8 rounding is wrong where it carries into the exponent (1.99 -> 1.0);
+    the rounding is the GPU test's (test_rope_kernel_equals_rope_and_cache_writes_on_gpu)."""
+    pytest.importorskip("triton")
+    stdout = run_in_triton_interpreter("""
+import torch, triton, triton.language as tl
+from decoder.kv_cache import FP8, FP8_MAX, stored
+from decoder.triton_rope import _to_cache
+@triton.jit
+def write(X, Y, N: tl.constexpr, CACHE_MAX: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(Y + o, _to_cache(tl.load(X + o), Y.dtype.element_ty, CACHE_MAX))
+x = torch.tensor([1e4, -1e4, 0.5, 3.0, 448.0, -600.0, 0.25, 1.5])
+y = torch.empty(8, dtype=FP8)
+write[(1,)](x, y, N=8, CACHE_MAX=FP8_MAX)
+assert torch.equal(y.float(), stored(x, FP8).float()), y
+print(y.float().tolist())
+""")
+    assert stdout.split("\n")[0] == "[448.0, -448.0, 0.5, 3.0, 448.0, -448.0, 0.25, 1.5]", stdout
+
+
 def test_ngram_rule_holds_in_generated_tokens(model, tokenizer):
     n, window = 3, 20
     request = make_request(tokenizer, "zz", (), 60, ngram=NGramConfig(ngram_size=n, window=window))
