@@ -27,15 +27,13 @@ import torch.nn.functional as F
 
 from common import switches
 
-from .pages import PAGE_TOKENS
+from .pages import FP8, FP8_MAX, PAGE_TOKENS
 
 SCRATCH_PAGE = 0
 # The cache's element types (`GenerationEngine(kv_cache_dtype=...)`): the model's own, or 8-bit
 # floats (vLLM's kv_cache_dtype="fp8", its default scale 1: keys and values stored as they are),
 # half the bytes a decode step reads and twice the tokens a cache holds, at fp8's precision.
 KV_CACHE_DTYPES = ("auto", "fp8")
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)  # 448: larger values are stored as this (saturated)
 
 
 def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

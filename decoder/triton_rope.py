@@ -22,8 +22,7 @@ import triton.language as tl
 
 from common.triton_compile import launch_kernel
 
-from .kv_cache import FP8, FP8_MAX
-from .pages import PAGE_TOKENS
+from .pages import FP8, FP8_MAX, PAGE_TOKENS
 
 
 # Not specialised on the lengths, which vary from call to call (each new value divisible by 16,
