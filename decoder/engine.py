@@ -65,8 +65,9 @@ class GenerationEngine:
     # host's per-token work no longer sits between two decode steps (H100, realistic mix: 13,323
     # against 12,600 tokens/s at 64 sequences, 21,120 against 19,763 at 256; one page 0.757
     # against 0.804 s). The host is then one token behind: a sequence that ends by EOS runs one
-    # more row, unused. False (DEEPSEEK_OCR_OVERLAP_PICKS=0): every pick read before the next
-    # launch (the reference twin).
+    # more row, unused (one that reaches max_tokens leaves before the launch: its end is known).
+    # False (DEEPSEEK_OCR_OVERLAP_PICKS=0): every pick read before the next launch (the
+    # reference twin).
     overlap_picks = switches.on("DEEPSEEK_OCR_OVERLAP_PICKS")
 
     def __init__(self, model: Decoder, tokenizer, max_batch: int = 256, max_len: int | None = None,
@@ -245,7 +246,7 @@ class GenerationEngine:
         scheduler = self.scheduler
         if self._inflight is None:
             return False
-        staying = len(scheduler.running) - len(scheduler.leaving)
+        staying = len(scheduler.running) - len(scheduler.leaving) - len(self._ending_at_pick())
         if staying == 0:
             return False
         if not self.prefill_behind_decode and (scheduler.preempted or scheduler.waiting) \
@@ -253,14 +254,23 @@ class GenerationEngine:
             return False
         return scheduler.grows_without_preempting()
 
+    def _ending_at_pick(self) -> list[Sequence]:
+        """The sequences the pending pick (of the step in flight and of the prefill behind it)
+        brings to their max_tokens (which holds the context limit too): they end there whatever
+        the token, so they need no row in the next decode step."""
+        picked = self._inflight[0] + (self._prefilled[0] if self._prefilled is not None else [])
+        return [seq for seq in picked if not seq.done and len(seq.tokens) + 1 >= seq.max_tokens]
+
     def _overlapped_step(self) -> list[Delta]:
         """`overlap_picks`: the in-flight step's picks (and those of the prefill behind it) made
         on the device (their n-gram bans need only the tokens read back already), their copy to
         the host queued, retired rows freed, then the next decode step launched from the picks
         (with a group's prefill behind it, as `step` does), and only then the picks read and
-        appended (a sequence that ends here has a row in the step just launched: it leaves when
-        that step is done)."""
+        appended. A sequence this pick brings to its max_tokens leaves before the launch; one
+        that ends here otherwise (EOS, a stop string) has a row in the step just launched and
+        leaves when that step is done."""
         scheduler, runner = self.scheduler, self.runner
+        ending = {id(seq) for seq in self._ending_at_pick()}
         rows, logits = self._inflight
         picked_rows, sources = list(rows), [runner.pick_on_device(rows, logits)]  # retired rows: unused
         if self._prefilled is not None:
@@ -272,6 +282,9 @@ class GenerationEngine:
             sources.append(runner.pick_on_device(fresh, fresh_logits))
         picks = torch.cat(sources) if len(sources) > 1 else sources[0]
         read = runner.read_back(picks)
+        for seq in picked_rows:  # ending at this pick: they leave now, not a step later
+            if id(seq) in ending:
+                scheduler.retire(seq, in_flight=True)
         scheduler.leave_retired()
         row_of = {id(seq): row for row, seq in enumerate(picked_rows)}
 
@@ -294,14 +307,14 @@ class GenerationEngine:
             staying = list(scheduler.running)
             self._inflight = (staying, runner.decode(staying, tokens_for(staying)))
         self.overlapped_steps += 1
-        live = [(seq, token) for seq, token in zip(picked_rows, read()) if not seq.done]
+        live = [(seq, token) for seq, token in zip(picked_rows, read()) if not seq.done or id(seq) in ending]
         picked = self.output.append_tokens([seq for seq, _ in live], [token for _, token in live])
         self.tokens_generated += len(picked)
         in_flight = {id(seq) for seq in self._inflight[0]}
         for seq, _, reason in picked:
             if id(seq) in in_flight:
                 seq.pending = None  # fed to the step just launched
-            if reason is not None:
+            if reason is not None and id(seq) not in ending:
                 scheduler.retire(seq, in_flight=True)
         return self.output.report(picked, self._retire)
 

@@ -554,6 +554,27 @@ def test_overlapped_picks_generate_what_reading_each_pick_first_does(model, toke
     assert engine.overlapped_steps > 20
 
 
+def test_overlapped_picks_launch_no_row_past_a_known_end(model, tokenizer, monkeypatch):
+    """A sequence that its pick brings to max_tokens ends there whatever the token: with
+    overlapped picks it leaves before the next launch, so the decode steps carry exactly the
+    rows the reference's do (no extra step after the last pick of a batch ending together)."""
+    batch = [make_request(tokenizer, "hello " * (1 + i), (), n, i, ngram=OFF)
+             for i, n in enumerate((4, 4, 9, 17, 1))]
+    launched = {}
+
+    def make_engine():
+        engine = GenerationEngine(model, tokenizer, max_batch=8, max_len=512)
+        rows = launched[GenerationEngine.overlap_picks] = []
+        decode = engine.runner.decode
+        engine.runner.decode = lambda seqs, *a: rows.append(len(seqs)) or decode(seqs, *a)
+        return engine
+
+    plain, overlapped, engine = run_both_ways(make_engine, {0: batch, 30: batch[:2]}, monkeypatch)
+    assert plain == overlapped and engine.overlapped_steps > 10
+    assert [len(plain[(0, i)][0]) for i in range(5)] == [4, 4, 9, 17, 1]
+    assert launched[True] == launched[False]
+
+
 def test_overlapped_picks_with_eos_and_preemption_equal_the_reference(tmp_path, tokenizer, monkeypatch):
     """A sequence that ends by EOS has one unused row in the step launched before its pick was
     read; a cache that runs out of pages preempts (that step reads its picks first); both
