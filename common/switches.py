@@ -92,14 +92,13 @@ SWITCHES = {s.name: s for s in (
            "pageable memory, tensor by tensor, not by large reads into pinned buffers"),
     Switch("DEEPSEEK_OCR_KEEP_FREED_MEMORY", "1", ON_OFF,
            "glibc's default allocator settings in the replicas (freed buffers go back to the OS)"),
-    Switch("DEEPSEEK_OCR_PREFETCH_CHECKPOINT", "0", ON_OFF,
-           "each replica reads its weights from the disk; 1: `deepseek-ocr serve` reads the "
-           "checkpoints into the page cache while Ray and Serve start (deployments/prefetch.py), "
-           "off until measured on a GPU machine"),
+    Switch("DEEPSEEK_OCR_PREFETCH_CHECKPOINT", "1", ON_OFF,
+           "each replica reads its weights from the disk, not `deepseek-ocr serve` reading the "
+           "checkpoints into the page cache while Ray and Serve start (deployments/prefetch.py)"),
     Switch("DEEPSEEK_OCR_BACKGROUND_PRELOAD", "0", ON_OFF,
            "each Ray worker imports the deployment modules before it takes work "
            "(deployments/preload.py); 1: torch and the model packages on a thread, the worker "
-           "taking work at once, off until measured on a GPU machine"),
+           "taking work at once (measured no faster to start: off)"),
 )}
 
 

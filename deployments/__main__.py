@@ -1,8 +1,8 @@
 """`python -m deployments CONFIG_OR_IMPORT_PATH [ARGS...]` (also `deepseek-ocr serve ...`):
 `serve run` in the app's start-up environment (`STARTUP_ENVIRONMENT`), which a config file
 cannot set itself: `serve run deployments/configs/x.yaml` starts Ray before it reads the app.
-What the caller's environment already sets is kept. With DEEPSEEK_OCR_PREFETCH_CHECKPOINT=1 the
-checkpoints the config names are read into the page cache meanwhile (deployments/prefetch.py)."""
+What the caller's environment already sets is kept. The checkpoints the config names are read
+into the page cache meanwhile (deployments/prefetch.py; DEEPSEEK_OCR_PREFETCH_CHECKPOINT=0: not)."""
 import os
 import sys
 
