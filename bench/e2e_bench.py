@@ -45,7 +45,8 @@ bench waits until the level's requests show in them before the next one.
 
 Writes <name>-<date>.json after every repetition (top-level `summary`; `concurrency`: each
 level's median over repetitions, every repetition's figures in `runs`; `reps`: each
-repetition's cold start, levels and tiers), <name>-<date>.png (pages/s, tokens/s and p50 / p99
+repetition's cold start, levels and tiers: each tier's /ready after the levels, its GPU memory's
+peak under load against its share's cap included), <name>-<date>.png (pages/s, tokens/s and p50 / p99
 against concurrency) and <name>-<date>-startup.log (`serve run`'s log up to each repetition's
 first answered page).
 """
@@ -403,6 +404,11 @@ def repetition(config: str, levels, pages: dict, first_page: bytes, first_tokens
               f"all {one_page['total_s_p50']:.3f} s; unstreamed to one token, ms: "
               + ", ".join(f"{k} {v:.1f}" for k, v in one_page["first_token_parts_ms_p50"].items()), flush=True)
         tiers = requests.get(f"{URL}/ready", timeout=30).json()["tiers"]
+        memory = {name: tier["gpu_memory_gb"] for name, tier in tiers.items() if tier.get("gpu_memory_gb")}
+        if memory:  # after the levels: each tier's peak under load, against its share's cap
+            print("GPU memory, GB (peak reserved / cap): "
+                  + ", ".join(f"{name} {m['peak_reserved']:.1f} / {m['cap']:.1f}" for name, m in memory.items()),
+                  flush=True)
     except Exception:  # the app's side of a failure is in its log (replica logs included)
         log.flush()
         print(log_errors(log_path), flush=True)

@@ -23,8 +23,8 @@ from scheduler import DecoderAdmission
 
 from .config import PROBE_EVERY_S, SHUTDOWN, STUCK_AFTER_S, AppConfig
 from .metrics import decoder_metrics
-from .model_source import (device_and_dtype, prepare_replica_process, replica_id, resolve_checkpoint,
-                           start_cuda, startup_phases)
+from .model_source import (device_and_dtype, gpu_memory_gb, prepare_replica_process, replica_id,
+                           resolve_checkpoint, start_cuda, startup_phases)
 
 
 # Admission is the replica's own (`DecoderAdmission`: a full batch plus `decoder_queue`
@@ -94,7 +94,8 @@ class DecoderServer:
         engine = self.engine.engine
         return {"ready": self.engine.alive, "decode_graphs": engine.decode_graphs is not None,
                 "max_batch": engine.max_batch, "max_len": engine.max_len,
-                "kv_cache_tokens": engine.cache.capacity_tokens, "startup_s": self.startup_s}
+                "kv_cache_tokens": engine.cache.capacity_tokens, "startup_s": self.startup_s,
+                "gpu_memory_gb": gpu_memory_gb()}
 
     async def generate(self, prompt_ids: list[int], image_embeds: list[torch.Tensor],
                        params: SamplingParams) -> dict:

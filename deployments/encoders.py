@@ -46,8 +46,8 @@ from scheduler import BatchQueue
 from .config import PROBE_EVERY_S, SHUTDOWN, STUCK_AFTER_S, AppConfig
 from .encoder_roles import ROLES
 from .metrics import encoder_metrics, medians
-from .model_source import (device_and_dtype, prepare_replica_process, replica_id, resolve_checkpoint,
-                           start_cuda, startup_phases)
+from .model_source import (device_and_dtype, gpu_memory_gb, prepare_replica_process, replica_id,
+                           resolve_checkpoint, start_cuda, startup_phases)
 from .protocol import to_host
 
 Sent = ImageHeader | DecodedImage | torch.Tensor  # what `encode` takes (see above)
@@ -267,7 +267,8 @@ class EncoderReplica:
     def ready(self) -> dict:
         """Answers once the constructor (weights, graph capture) has finished."""
         return {"ready": True, "path": self.role.name, "graphs": sum(len(r.graphs) for r in self.runners),
-                "device": str(self.engine.encoder.device), "startup_s": self.startup_s}
+                "device": str(self.engine.encoder.device), "startup_s": self.startup_s,
+                "gpu_memory_gb": gpu_memory_gb()}
 
     def stats(self) -> dict:
         return {"path": self.role.name, "model": self.model_label, "replica": replica_id(),

@@ -131,6 +131,19 @@ def start_cuda(fraction: float | None) -> float:
     return time.perf_counter() - start
 
 
+def gpu_memory_gb() -> dict[str, float] | None:
+    """This replica's GPU memory for /ready, in GB: what torch's allocator holds now, the most
+    it held since the start (graph pools, KV pages and peaks under load included; the CUDA
+    context's ~0.5 GB is not), and its cap (the replica's share of the card). None without
+    CUDA. What each tier really takes is what sizing a shared GPU's shares needs."""
+    if not torch.cuda.is_available():
+        return None
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return {"reserved": round(torch.cuda.memory_reserved() / 1e9, 2),
+            "peak_reserved": round(torch.cuda.max_memory_reserved() / 1e9, 2),
+            "cap": round(torch.cuda.get_per_process_memory_fraction() * total / 1e9, 2)}
+
+
 def startup_phases(constructor_start: float, **seconds: float) -> dict[str, float]:
     """A replica's start-up, for /ready and its log (timestamped, beside Serve's "Adding
     replica" line: the gap before is the actor's start and imports): the phases it timed,

@@ -425,6 +425,25 @@ def test_replica_allocator_setting_has_a_switch(monkeypatch):
     assert calls == [1]
 
 
+def test_a_replicas_gpu_memory_for_ready(monkeypatch):
+    """/ready's `gpu_memory_gb` per tier: none without CUDA; with it, the allocator's holding now
+    and at most, and the replica's cap (its share of the card), in GB."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from deployments import model_source
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert model_source.gpu_memory_gb() is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80e9))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda: 0.25)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 12.345e9)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 17.5e9)
+    assert model_source.gpu_memory_gb() == {"reserved": 12.35, "peak_reserved": 17.5, "cap": 20.0}
+
+
 def test_docs_list_every_switch():
     """docs/switches.md's table is common/switches.py's: every variable, its default and its
     values."""

@@ -181,6 +181,7 @@ def test_ready_reports_every_tier(limited):
     assert all(tier["ready"] for tier in body["tiers"].values())
     # where each tier's start-up went (the e2e bench records it beside its cold start)
     for tier in body["tiers"].values():
+        assert tier["gpu_memory_gb"] is None  # no CUDA here (on a GPU: the allocator's GB and cap)
         phases = tier["startup_s"]
         assert phases["weights"] >= 0 and phases["graphs"] >= 0
         assert phases["cuda"] == 0.0  # no CUDA context on CPU (on a GPU: its creation, timed apart)
