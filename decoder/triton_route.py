@@ -21,6 +21,8 @@ The reference twin is `model.route_reference` (tests compare the two).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -29,7 +31,18 @@ from common.triton_compile import launch_kernel
 
 MAX_TOKENS = 64  # one program, one block of tokens: decode batches up to here
 MIN_BLOCK_T = 16  # the smallest token block (smaller batches are masked rows of it)
-BLOCK_H = 128  # hidden columns per step of the gate's matmul
+
+
+class RouteTile(NamedTuple):
+    """The kernel's launch knobs: hidden columns per step of the gate's matmul, warps, and
+    software-pipelining stages of that loop (one program reads the whole gate, 164 KB at real
+    dims: how many of its loads are in flight at once sets the kernel's time at small batches)."""
+    block_h: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+TILE = RouteTile()  # bench/tune/tune_route_kernel.py times the others on a GPU
 
 
 @triton.jit
@@ -83,12 +96,15 @@ def _route_kernel(X, GATE, WEIGHTS, EXPERT_OF, ORDER, ENDS, n_tokens, hidden, s_
     tl.store(ORDER + pairs, keys % PAIRS, mask=p_ok)
 
 
-def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, scaling: float, n_shared: int):
+def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, scaling: float, n_shared: int,
+          tile: RouteTile | None = None):
     """x [N, H] activations, N <= MAX_TOKENS, and the gate's weight [E, H] (the same dtype) ->
     (route_weights [N * K] fp32, order [N * K] int32, ends [E + n_shared] int32),
     K = top_k + n_shared: the (token, choice) pairs' weights (the top_k of the softmax of the
     gate's fp32 logits, times `scaling`; then 1 for each shared expert), the pairs sorted
-    (stably) by expert, and where each expert's sorted rows end, as `fused_experts` takes them."""
+    (stably) by expert, and where each expert's sorted rows end, as `fused_experts` takes them.
+    `tile`: the launch knobs (default `TILE`)."""
+    tile = tile or TILE
     n, hidden = x.shape
     experts = gate.shape[0]
     assert n <= MAX_TOKENS and gate.shape[1] == hidden and x.dtype == gate.dtype
@@ -102,7 +118,7 @@ def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, scaling: float, n_sha
     launch_kernel(_route_kernel, (1,), x, gate, weights, expert_of, order, ends, n, hidden, x.stride(0),
                   gate.stride(0), scaling, E=experts, TOP_K=top_k, N_SHARED=n_shared,
                   E_POW2=max(16, triton.next_power_of_2(experts)),  # a dot's dimensions are >= 16
-                  ALL_POW2=triton.next_power_of_2(experts + n_shared), BLOCK_T=block_t, BLOCK_H=BLOCK_H,
+                  ALL_POW2=triton.next_power_of_2(experts + n_shared), BLOCK_T=block_t, BLOCK_H=tile.block_h,
                   PAIRS=max(16, triton.next_power_of_2(n * k_all)),  # the sort's keys: 16 at one token
-                  IEEE=x.dtype == torch.float32, num_warps=4)
+                  IEEE=x.dtype == torch.float32, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return weights, order, ends

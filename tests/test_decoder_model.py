@@ -167,6 +167,9 @@ for n, e, k, s in [(1, 8, 3, 2), (5, 8, 3, 0), (37, 64, 6, 2), (64, 66, 6, 2), (
     assert torch.equal(en.long(), ren.long()), (en, ren)
     assert torch.equal(o.long(), ro.long()), (o, ro)
     assert torch.allclose(w, rw, atol=1e-6, rtol=1e-5)
+    # another tile: hidden steps of 64 (200 = three full and a partial one)
+    w2, o2, en2 = triton_route.route(x, gate, k, 1.5, s, triton_route.RouteTile(64, 2, 1))
+    assert torch.equal(en2, en) and torch.equal(o2, o) and torch.allclose(w2, rw, atol=1e-6, rtol=1e-5)
     print("route", n, e, k, s, int(en[-1]))
 args = DecoderArgs(vocab_size=64, hidden=64, n_layers=2, n_heads=1, intermediate=96, n_experts=8,
                    moe_intermediate=48, top_k=3, n_shared_experts=2, name="moe-kernel-test")
