@@ -8,8 +8,8 @@ Starts a private Ray cluster on this machine (bench/autoscale_timeline.py's `Pri
 `ray.cluster_utils.Cluster`, a private RAY_TMPDIR, free ports, only its own processes ended): a
 head (the Router, Serve's controller and proxy) and worker nodes added by hand, told apart by
 the custom resources the GPU tiers ask for in deployments/configs/gpu-separate.yaml: two encoder
-nodes (`encoder_gpu`) and two decoder nodes (`decoder_gpu`), two places each, so a tier's
-replica has somewhere to go. deployments/configs/cpu-cluster.yaml pins the tiers to them.
+nodes (`encoder_gpu`, two places each) and three decoder nodes (`decoder_gpu`, one place each),
+so a tier's replica has somewhere to go. deployments/configs/cpu-cluster.yaml pins the tiers to them.
 
 1. Rolling update: while clients send requests (whole answers, and `stream: true` generations
    of 1000 tokens, tens of seconds here, begun before the update), `serve deploy` of a changed
@@ -59,9 +59,13 @@ from tests.helpers import free_port  # noqa: E402
 RESULTS = os.path.join(ROOT, "bench", "results")
 CONFIG = os.path.join(ROOT, "deployments", "configs", "cpu-cluster.yaml")
 TIERS = ("Router", "GlobalEncoder", "LocalEncoder", "Decoder")
-# The worker nodes, by type: the custom resource that tells the type, two places on each.
+# The worker nodes, by type: the custom resource that tells the type. Encoder nodes have two
+# places (a node may hold both encoder tiers). Decoder nodes have one, like a one-GPU node: the
+# update's two new Decoders land on two nodes while the old one drains on the third, so the node
+# killed later holds exactly one Decoder (with two places, Ray's soft spread sometimes put both
+# on one node and the kill took the whole tier) and its replacement has the third node to go to.
 NODES = (("encoder", {"encoder_gpu": 2}), ("encoder", {"encoder_gpu": 2}),
-         ("decoder", {"decoder_gpu": 2}), ("decoder", {"decoder_gpu": 2}))
+         ("decoder", {"decoder_gpu": 1}), ("decoder", {"decoder_gpu": 1}), ("decoder", {"decoder_gpu": 1}))
 HEAD_CPUS = 2  # the Router's (cpu-cluster.yaml), and its replacement's during an update
 # The update: a new max_batch (every replica replaced) and a second Decoder replica.
 UPDATE_ARGS = {"max_batch": 16}

@@ -1,5 +1,5 @@
 """Operating the app on a multi-node Ray cluster, on CPU (bench/cluster_operations.py's shorter
-settings): a head and four worker nodes started by hand (two `encoder_gpu` nodes, two
+settings): a head and five worker nodes started by hand (two `encoder_gpu` nodes, three
 `decoder_gpu` nodes, the custom resources the GPU tiers ask for), deployments/configs/
 cpu-cluster.yaml's tiers pinned to them, the tiny model. About 2 minutes on 2 cores;
 `-m 'not cluster'` leaves it out.
@@ -13,7 +13,7 @@ cpu-cluster.yaml's tiers pinned to them, the tiny model. About 2 minutes on 2 co
 2. Node loss under load: the worker node holding an encoder replica killed, then one holding a
    Decoder replica: at least 99% of whole answers are 200 and the rest 503 with Retry-After; a
    stream that was generating on the lost Decoder ends with a retryable error event and
-   `[DONE]`; Serve replaces what was lost on the remaining node of its type. Each node is killed
+   `[DONE]`; Serve replaces what was lost on another node of its type. Each node is killed
    while its replicas work on requests. Without the app's retry of calls to lost replicas
    (`deployments/placement.py` `call_with_retry`), the whole answers in flight on them are
    refused 503 (both request checks fail: shown once, 80 of 86 whole answers 200, 6 refused).
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 @pytest.fixture(scope="module")
 def cluster():
-    """The head and the four worker nodes (bench/cluster_operations.py's NODES), and the
+    """The head and the five worker nodes (bench/cluster_operations.py's NODES), and the
     port Serve listens on; every process of it ended afterwards (PrivateCluster)."""
     with ops.OpsCluster() as cluster:
         yield cluster, free_port()
@@ -125,7 +125,7 @@ def test_calls_in_flight_on_a_lost_replica_are_retried(loss):
 
 def test_serve_replaces_what_a_lost_node_held(loss):
     """Each kill took a replica of its tier(s) with it; Serve noticed and started a replacement
-    on the remaining node of that type; the app is whole and ready afterwards."""
+    on another node of that type; the app is whole and ready afterwards."""
     encoder, decoder = loss["losses"]
     assert encoder["kind"] == "encoder" and set(encoder["lost"]) <= {"GlobalEncoder", "LocalEncoder"}
     assert decoder["kind"] == "decoder" and decoder["lost"] == {"Decoder": 1}
