@@ -9,7 +9,8 @@ Starts a private Ray cluster on this machine (bench/autoscale_timeline.py's `Pri
 head (the Router, Serve's controller and proxy) and worker nodes added by hand, told apart by
 the custom resources the GPU tiers ask for in deployments/configs/gpu-separate.yaml: two encoder
 nodes (`encoder_gpu`, two places each) and three decoder nodes (`decoder_gpu`, one place each),
-so a tier's replica has somewhere to go. deployments/configs/cpu-cluster.yaml pins the tiers to them.
+so a tier's replica has somewhere to go. deployments/configs/cpu-cluster.yaml pins the tiers to
+them.
 
 1. Rolling update: while clients send requests (whole answers, and `stream: true` generations
    of 1000 tokens, tens of seconds here, begun before the update), `serve deploy` of a changed
