@@ -145,6 +145,18 @@ def code_state() -> dict:
             "python_sources_sha256": digest.hexdigest()}
 
 
+def gpu_names() -> list[str]:
+    """The machine's GPUs as nvidia-smi names them, [] where there is none. Asked of nvidia-smi,
+    not torch: a CUDA context in the bench's own process would take memory the app's replicas
+    size themselves from."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in listed.stdout.splitlines() if line.strip()] if listed.returncode == 0 else []
+
+
 def _write_json(path: str, result: dict) -> str:
     if "code" not in result:
         result["code"] = code_state()

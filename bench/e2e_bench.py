@@ -75,7 +75,7 @@ import yaml
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-from bench.common import RESULTS, evict_from_page_cache, write_result  # noqa: E402
+from bench.common import RESULTS, evict_from_page_cache, gpu_names, write_result  # noqa: E402
 from bench.workload import describe, make_workload, uniform_page, uniform_workload  # noqa: E402
 
 PORT = 8000  # --port: HTTP on 127.0.0.1
@@ -598,7 +598,7 @@ def main(argv=None) -> None:
     inherited = {k: v for k, v in os.environ.items() if k.startswith(RECORDED_ENV_PREFIXES)}
     setup = {"config": os.path.relpath(shipped, ROOT), "overrides": overrides,
              "command": "deepseek-ocr serve <config> (python -m deployments)",
-             "environment_set": {}, "environment_inherited": inherited,
+             "environment_set": {}, "environment_inherited": inherited, "gpus": gpu_names(),
              "weights": "tiny random" if opts.smoke else "random, real dims", "family": opts.family,
              "checkpoint_page_cache": "evicted before each start (fsync, posix_fadvise DONTNEED)"
              if checkpoint else None,

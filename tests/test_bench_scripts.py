@@ -59,6 +59,7 @@ def test_e2e_bench_smoke(tmp_path):
     setup = result["setup"]
     assert setup["config"] == "deployments/configs/cpu-tiny.yaml" and setup["environment_set"] == {}
     assert setup["overrides"] == {"http_options.host": "127.0.0.1", "http_options.port": port}
+    assert setup["gpus"] == e2e_bench.gpu_names()  # the machine it ran on ([] without nvidia-smi)
     assert set(result["workload"]["kinds"]) == set(KIND_SHARES)
     summary = result["summary"]
     assert summary["repetitions"] == 1 and summary["cold_start_s"] > 0
