@@ -26,7 +26,7 @@ if not ray.is_initialized():
 from .config import AppConfig, ServedModel
 from .decoder_server import DecoderServer
 from .encoders import PathEncoder
-from .model_source import check_model_config
+from .model_source import check_model_config, is_tiny
 from .placement import ModelTiers
 from .router import Router
 
@@ -34,14 +34,15 @@ from .router import Router
 def build(config: AppConfig) -> Application:
     for model in config.served_models():
         checkpoint = model.config.checkpoint
-        if checkpoint and not os.path.isfile(os.path.join(checkpoint, "config.json")):
+        if is_tiny(checkpoint):  # a tiny random model, written where its replicas start
+            continue
+        if not os.path.isfile(os.path.join(checkpoint, "config.json")):
             # Checked here, where the app is built, so `serve run` stops with this message
             # instead of every replica failing its constructor over and over.
             raise FileNotFoundError(f"checkpoint {checkpoint!r} has no config.json: give the "
                                     f"local directory of DeepSeek-OCR's released files (config.json, "
                                     f"model*.safetensors, tokenizer.json)")
-        if checkpoint:
-            check_model_config(checkpoint)
+        check_model_config(checkpoint)
     return Router.bind([_tiers(model) for model in config.served_models()], config)
 
 

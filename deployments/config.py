@@ -32,7 +32,8 @@ class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     checkpoint: str | None = Field(
-        None, description="checkpoint directory (released layout); none: the tiny random model")
+        None, description="checkpoint directory (released layout), or a tiny random model: "
+        "`tiny-random` (DeepSeek-OCR), `tiny-random-ocr2`, `tiny-random-unlimited-ocr`; none: `tiny-random`")
     encode_only: bool = Field(
         False, description="no decoder: only `/v1/encode` and the `encode` handle method")
     use_graphs: bool | None = Field(

@@ -23,8 +23,8 @@ from scheduler import DecoderAdmission
 
 from .config import PROBE_EVERY_S, SHUTDOWN, STUCK_AFTER_S, AppConfig
 from .metrics import decoder_metrics
-from .model_source import (device_and_dtype, gpu_memory_gb, prepare_replica_process, replica_id,
-                           resolve_checkpoint, start_cuda, startup_phases)
+from .model_source import (device_and_dtype, gpu_memory_gb, is_tiny, prepare_replica_process,
+                           replica_id, resolve_checkpoint, start_cuda, startup_phases)
 
 
 # Admission is the replica's own (`DecoderAdmission`: a full batch plus `decoder_queue`
@@ -44,7 +44,7 @@ class DecoderServer:
         start, reads = time.perf_counter(), {}
         model = load_decoder(directory, device=device, dtype=dtype, timings=reads)
         weights = time.perf_counter() - start
-        tokenizer = load_tokenizer(directory if config.checkpoint else None)
+        tokenizer = load_tokenizer(None if is_tiny(config.checkpoint) else directory)
         loaded = time.perf_counter()
         # use_graphs None: decode-step CUDA graphs on a GPU, eager on CPU.
         self.engine = AsyncEngine(GenerationEngine(model, tokenizer, config.max_batch, config.max_len,

@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
 
 from .media import decode_data_url
 from .placement import RETRYABLE
@@ -57,14 +59,23 @@ def check_length(request: Request, max_bytes: int) -> None:
 SOURCE_FIELDS = ("image", "images", "document")  # the same names in JSON and in forms
 
 
-async def read_ocr_body(request: Request, max_bytes: int) -> tuple[Images | Document, dict, bool]:
+# Options whose value is a JSON object: in a form, sent as JSON text.
+JSON_FORM_FIELDS = ("ngram",)
+# A form's text fields besides its images: every option, with room to spare; more is an attack on
+# the parser (each part is parsed and held before any check of ours runs).
+MAX_OPTION_FIELDS = 64
+
+
+async def read_ocr_body(request: Request, max_bytes: int,
+                        max_images: int) -> tuple[Images | Document, dict, bool]:
     """(images or the PDF, options as sent, whether the options are typed JSON values). JSON
     and multipart take the same fields: `image` (one), `images` (several) or `document` (a PDF),
-    as files or base64 text in a form, base64 or data: URLs in JSON."""
+    as files or base64 text in a form, base64 or data: URLs in JSON. A form stops being read at
+    its `max_images`-th file past the limit (400), not after the whole body is buffered."""
     check_length(request, max_bytes)
     content_type = request.headers.get("content-type", "")
     if content_type.startswith("multipart/form-data"):
-        form = await request.form()
+        form = await _read_form(request, max_bytes, max_images)
         sent = {key: [await v.read() if hasattr(v, "read") else v for v in form.getlist(key)]
                 for key in SOURCE_FIELDS if key in form}
         for key, value in form.multi_items():
@@ -72,8 +83,9 @@ async def read_ocr_body(request: Request, max_bytes: int) -> tuple[Images | Docu
                 raise BadRequest(f"unknown file field {key!r}: send images as 'image' or "
                                  f"'images', a PDF as 'document'", key)
         options = {k: v for k, v in form.items() if k not in SOURCE_FIELDS}
-        if "ngram" in options:  # an object inside a form: JSON text
-            options["ngram"] = _json_field(options["ngram"], "ngram")
+        for name in JSON_FORM_FIELDS:
+            if name in options:
+                options[name] = _json_field(options[name], name)
         return _source(sent), options, False
     body = await read_json(request, max_bytes, "application/json or multipart/form-data")
     if not isinstance(body, dict):
@@ -84,6 +96,25 @@ async def read_ocr_body(request: Request, max_bytes: int) -> tuple[Images | Docu
         if value is not None:  # `image` may be a list too, `images` one string
             sent[key] = value if isinstance(value, list) and key != "document" else [value]
     return _source(sent), body, True
+
+
+async def _read_form(request: Request, max_bytes: int, max_images: int):
+    """The multipart form, its parts counted as they stream in: past `max_images` files or
+    `max_images + MAX_OPTION_FIELDS` text fields (base64 images are text), Starlette's parser
+    stops and this answers 400 naming the limit; a text field may be as large as the body."""
+    try:
+        return await request.form(max_files=max_images, max_fields=max_images + MAX_OPTION_FIELDS,
+                                  max_part_size=max_bytes)
+    except (HTTPException, MultiPartException) as e:  # the parser's own 400 (HTTPException in an app)
+        detail = str(getattr(e, "detail", None) or getattr(e, "message", e))
+        if "files" in detail:
+            raise BadRequest(f"more than {max_images} images in one request "
+                             f"(max_images_per_request)", "images") from None
+        if "fields" in detail:
+            raise BadRequest(f"more than {max_images + MAX_OPTION_FIELDS} form fields in one "
+                             f"request (at most {max_images} images, max_images_per_request, "
+                             f"and {MAX_OPTION_FIELDS} options)") from None
+        raise BadRequest(f"malformed multipart body: {detail}") from None
 
 
 def _source(sent: dict[str, list]) -> Images | Document:
@@ -141,10 +172,13 @@ async def read_json(request: Request, max_bytes: int, accepted: str = "applicati
 
 
 def _json_field(value: str, name: str):
+    """A form field's JSON text, held to a JSON body's depth limit; errors name the field."""
+    if json_depth(value.encode("utf-8", "surrogatepass")) > MAX_JSON_DEPTH:
+        raise BadRequest(f"{name} nests deeper than {MAX_JSON_DEPTH} levels", name)
     try:
         return json.loads(value)
-    except ValueError:
-        raise BadRequest(f"{name} must be a JSON object") from None
+    except (ValueError, RecursionError):
+        raise BadRequest(f"{name} must be a JSON object", name) from None
 
 
 def event_stream(events: AsyncIterator[dict], deltas, limit: float) -> StreamingResponse:

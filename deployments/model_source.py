@@ -7,6 +7,7 @@ benchmark checkpoints all come from it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import tempfile
@@ -24,12 +25,35 @@ from encoder.checkpoint import vision_shapes
 from encoder.config import EncoderArgs, EncoderV2Args, is_ocr2_config
 
 from .protocol import send_tensors_out_of_band
+from .replica_logs import log_client_errors_in_one_line
 
 TINY_LABEL = "tiny-random"  # the tiny model's id: a plain token, usable in URLs as it is
 # Beside the tiny model's id in every response (its own field, `warning`), so nobody mistakes
 # its output for OCR.
 TINY_WARNING = "RANDOMLY INITIALISED weights: outputs are meaningless"
-_TINY_DIR = os.path.join(tempfile.gettempdir(), "deepseek-ocr-serve-tiny-random-v2")
+
+
+def _tiny_family(vision: str, language: str):
+    def dims() -> tuple[EncoderArgs, DecoderArgs]:
+        decoder = DecoderArgs.tiny(sliding_window=8) if language == "unlimited-ocr" else DecoderArgs.tiny()
+        encoder = EncoderV2Args.tiny() if vision == "v2" else EncoderArgs.tiny()
+        return dataclasses.replace(encoder, n_embed=decoder.hidden), decoder
+    return dims
+
+
+# The tiny random models, one per family, by the name `checkpoint` takes instead of a directory
+# (none: `tiny-random`): each family's real token layout, tiling, prompts and rules at tiny dims,
+# to try it without weights. Their names are their model ids.
+TINY_MODELS = {
+    TINY_LABEL: _tiny_family("v1", "deepseek-ocr"),  # DeepSeek-OCR
+    "tiny-random-ocr2": _tiny_family("v2", "deepseek-ocr"),  # DeepSeek-OCR 2: DeepEncoder V2
+    "tiny-random-unlimited-ocr": _tiny_family("v1", "unlimited-ocr"),  # R-SWA decoder, many pages
+}
+
+
+def is_tiny(checkpoint: str | None) -> bool:
+    """Whether `checkpoint` names a tiny random model (none does: the default one)."""
+    return checkpoint is None or checkpoint in TINY_MODELS
 
 
 def write_random_model(path, vision: EncoderArgs | None = None, language: DecoderArgs | None = None,
@@ -63,20 +87,23 @@ def check_model_config(directory: str) -> None:
 
 
 def resolve_checkpoint(checkpoint: str | None) -> tuple[str, str]:
-    """(directory, model label for responses: the directory's name, or TINY_LABEL)."""
-    if checkpoint:
+    """(directory, model label for responses: the directory's name, or the tiny model's)."""
+    if not is_tiny(checkpoint):
         if not os.path.isfile(os.path.join(checkpoint, "config.json")):
             raise FileNotFoundError(f"checkpoint {checkpoint!r} has no config.json")
         return checkpoint, os.path.basename(os.path.normpath(checkpoint))
-    if not os.path.isfile(os.path.join(_TINY_DIR, "tokenizer.json")):
+    name = checkpoint or TINY_LABEL
+    directory = os.path.join(tempfile.gettempdir(), f"deepseek-ocr-serve-{name}-v2")
+    if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
         # Replicas on one node may race here: each writes its own copy, then renames it in.
-        staging = tempfile.mkdtemp(prefix="tiny-", dir=os.path.dirname(_TINY_DIR))
-        write_random_model(staging, seed=0, dtype=torch.float32)
+        staging = tempfile.mkdtemp(prefix="tiny-", dir=os.path.dirname(directory))
+        vision, language = TINY_MODELS[name]()
+        write_random_model(staging, vision, language, seed=0, dtype=torch.float32)
         try:
-            os.rename(staging, _TINY_DIR)
+            os.rename(staging, directory)
         except OSError:  # another replica won; its copy is identical
             pass
-    return _TINY_DIR, TINY_LABEL
+    return directory, name
 
 
 def replica_id() -> str | None:
@@ -110,9 +137,11 @@ def prepare_replica_process() -> None:
     buffers kept for the next request (`common.allocator`: each request decodes a page, copies
     tokens to the host and serialises them, and fresh memory faults in page by page);
     DEEPSEEK_OCR_KEEP_FREED_MEMORY=0 leaves glibc's defaults; and the tensors it sends (views,
-    tokens, sequences) travel as raw bytes out of band (`protocol.send_tensors_out_of_band`)."""
+    tokens, sequences) travel as raw bytes out of band (`protocol.send_tensors_out_of_band`); a
+    caller's bad input is logged as one line, not as this replica's failure (`replica_logs`)."""
     use_assigned_cpu_threads()
     send_tensors_out_of_band()
+    log_client_errors_in_one_line()
     if switches.on("DEEPSEEK_OCR_KEEP_FREED_MEMORY"):
         keep_freed_memory()
 

@@ -34,7 +34,7 @@ from encoder.preprocess import Tiling, decode, read_header, start_preprocess
 
 from .config import AppConfig, ServedModel
 from .encoders import EncoderReplica
-from .model_source import TINY_WARNING, resolve_checkpoint
+from .model_source import TINY_WARNING, is_tiny, resolve_checkpoint
 from .pipeline import OcrPipeline
 
 # A replica that dies mid-call (node loss, a CUDA fault that fails its health check) is
@@ -263,11 +263,11 @@ def model_pipeline(tiers: ModelTiers) -> OcrPipeline:
     # Encode-only apps need no tokenizer (and their checkpoints may carry none), and have no
     # language model to bound prompts or choose the n-gram rule (an encoder-only checkpoint
     # has no language config).
-    tokenizer = load_tokenizer(directory if config.checkpoint else None) if decoder else None
+    tokenizer = load_tokenizer(None if is_tiny(config.checkpoint) else directory) if decoder else None
     language = DecoderArgs.from_config(read_config(directory)) if decoder else None
     # In every answer: the model's id (what clients call it), and the tiny random model's
     # warning in its own field.
     model_fields = {"model": config.served_model_name or model_label,
-                    **({} if config.checkpoint else {"warning": TINY_WARNING})}
+                    **({"warning": TINY_WARNING} if is_tiny(config.checkpoint) else {})}
     return OcrPipeline(encoder, DecoderClient(decoder) if decoder else None, tokenizer, language,
                        config, model_fields)

@@ -23,7 +23,8 @@ from decoder import NGramConfig, SamplingParams
 from decoder.config import DecoderArgs
 from decoder.engine import MAX_TEMPERATURE
 from decoder.tokenizer import PROMPT_PRESETS, count_image_tags
-from documents import DEFAULT_DPI, MAX_DPI, MIN_DPI
+from documents import DEFAULT_DPI, MAX_DPI, MIN_DPI, DocumentError
+from encoder import ImageError
 from encoder.preprocess import DEFAULT_MAX_CROPS, MODES, check_view_options
 
 # Generated tokens per request: at most the model's context.
@@ -42,6 +43,11 @@ class BadRequest(ValueError):
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param, self.code = param, code
+
+
+# What the caller must fix (HTTP 4xx): a bad option, image or PDF. Never a replica's fault: never
+# logged as one (`replica_logs`).
+CLIENT_ERRORS = (BadRequest, ImageError, DocumentError)
 
 
 class NotFound(BadRequest):

@@ -22,9 +22,6 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException
 
-from documents import DocumentError
-from encoder import ImageError
-
 from . import openai_api
 from . import protocol  # protocol.REQUEST_ARRIVED: a module pickles by name, a ContextVar not at all
 from .config import SHUTDOWN, AppConfig, ServedModel
@@ -33,7 +30,7 @@ from .metrics import router_metrics
 from .model_source import prepare_replica_process, replica_id
 from .pipeline import OcrPipeline
 from .placement import RETRYABLE, ModelTiers, model_pipeline
-from .protocol import BadRequest, Document, Images, NotFound, OcrOptions
+from .protocol import CLIENT_ERRORS, BadRequest, Document, Images, NotFound, OcrOptions
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="DeepSeek-OCR on Ray Serve")
@@ -282,7 +279,8 @@ class Router:
         return response
 
     async def _read_ocr(self, request: Request) -> tuple[Images | Document, OcrOptions]:
-        source, options, strict = await read_ocr_body(request, self.config.max_request_mb << 20)
+        source, options, strict = await read_ocr_body(request, self.config.max_request_mb << 20,
+                                                        self.config.max_images_per_request)
         return source, OcrOptions.parse(options, strict=strict)
 
     async def _answer(self, request: Request, work, read):
@@ -303,7 +301,7 @@ class Router:
             inputs = await read(request)
             limit = inputs[1].timeout_s or self.config.request_timeout_s
             return await asyncio.wait_for(work(*inputs), timeout=limit)
-        except (BadRequest, ImageError, DocumentError) as e:
+        except CLIENT_ERRORS as e:
             return bad_request(e, inputs[0] if inputs else None)
         except asyncio.TimeoutError:
             return JSONResponse(status_code=408, content=error_body(

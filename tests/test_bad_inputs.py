@@ -17,6 +17,7 @@ pytest.importorskip("ray")
 
 from tests.conftest import SERVE_URL, replica_ids  # noqa: E402
 from tests.helpers import assert_clean_error, truncated_image  # noqa: E402
+from tests.pdfs import make_pdf  # noqa: E402
 
 OCR = f"{SERVE_URL}/v1/ocr"
 
@@ -229,6 +230,30 @@ def test_multipart_takes_the_json_field_names_and_refuses_others(app):
     assert_clean_error(response, 400, "unknown file field 'file'", "file")
     both = [("image", ("a.png", small, "image/png")), ("images", ("b.png", small, "image/png"))]
     assert_clean_error(requests.post(OCR, files=both, timeout=300), 400, "not both", "images")
+
+
+def test_form_fields_that_would_break_the_parser_answer_400_naming_them(app):
+    """A JSON option in a form is held to a JSON body's depth limit and names its field; a form
+    of 2,000 image parts is refused at the limit, not parsed whole; base64 text of over 1 MB (the
+    parser's default part limit) is an image like any other. For images and PDFs alike."""
+    png = encoded(page((300, 200)), "PNG")
+    for source in ({"image": ("page.png", png, "image/png")},
+                   {"document": ("doc.pdf", make_pdf(1), "application/pdf")}):
+        deep = "[" * 10_000 + "]" * 10_000
+        response = requests.post(OCR, files=source, data={"ngram": deep, "max_tokens": "1"}, timeout=300)
+        assert_clean_error(response, 400, "ngram nests deeper than 32 levels", "ngram")
+        response = requests.post(OCR, files=source, data={"ngram": "{bad", "max_tokens": "1"}, timeout=300)
+        assert_clean_error(response, 400, "ngram must be a JSON object", "ngram")
+    parts = [("images", (f"{i}.png", png, "image/png")) for i in range(2_000)]
+    response = requests.post(OCR, files=parts, timeout=300)
+    assert_clean_error(response, 400, "more than 16 images in one request (max_images_per_request)", "images")
+    response = requests.post(OCR, files=parts[:1], data={f"x{i}": "1" for i in range(2_000)}, timeout=300)
+    assert_clean_error(response, 400, "form fields", None)
+    noise = Image.frombytes("RGB", (700, 700), random.Random(2).randbytes(700 * 700 * 3))
+    text = b64(encoded(noise, "PNG"))
+    assert len(text) > 1 << 20
+    response = requests.post(OCR, files={"image": (None, text)}, data={"max_tokens": "1"}, timeout=300)
+    assert response.status_code == 200 and response.json()["usage"]["image_tokens"] == 693, response.text
 
 
 def test_mixed_load_at_concurrency_8_is_answered_correctly(app):

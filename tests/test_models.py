@@ -2,7 +2,6 @@
 requests choosing by `model` through HTTP, the OpenAI client and handles; an unknown model
 answers 404 in the envelope; the single-model app is unchanged (every other test runs it)."""
 import base64
-import dataclasses
 import json
 
 import pytest
@@ -68,18 +67,16 @@ def test_corpus_requests_name_the_model_only_when_asked():
 
 # -- served -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def ocr2_checkpoint(tmp_path_factory):
-    """A tiny random DeepSeek-OCR-2 checkpoint in the released layout."""
-    from decoder import DecoderArgs
-    from deployments.model_source import write_random_model
-    from encoder import EncoderV2Args
-    vision = dataclasses.replace(EncoderV2Args.tiny(), n_embed=DecoderArgs.tiny().hidden)
-    return write_random_model(tmp_path_factory.mktemp("ocr2"), vision=vision, seed=5)
+def ocr2_checkpoint():
+    """The tiny random DeepSeek-OCR-2 model's directory: what `checkpoint: tiny-random-ocr2`
+    serves (its id in the apps below is their entry's name)."""
+    from deployments.model_source import resolve_checkpoint
+    return resolve_checkpoint("tiny-random-ocr2")[0]
 
 
 @pytest.fixture
-def three_models(serve_app, ocr2_checkpoint):
-    """DeepSeek-OCR's tiny model as `a` (two path encoders), and one DeepSeek-OCR-2 checkpoint
+def three_models(serve_app):
+    """DeepSeek-OCR's tiny model as `a` (two path encoders), and DeepSeek-OCR-2's tiny one
     twice: `b` on two path encoders (the router lays the sequence out), `c` on one Encoder.
     Deleted after its test: its ten replicas and the next test's app would not fit the test
     cluster's CPUs together."""
@@ -87,8 +84,8 @@ def three_models(serve_app, ocr2_checkpoint):
 
     from deployments.app import build
     app = build(AppConfig(max_len=2048, max_images=4, models=[
-        {"name": "a"}, {"name": "b", "checkpoint": ocr2_checkpoint},
-        {"name": "c", "checkpoint": ocr2_checkpoint, "one_encoder": True}]))
+        {"name": "a"}, {"name": "b", "checkpoint": "tiny-random-ocr2"},
+        {"name": "c", "checkpoint": "tiny-random-ocr2", "one_encoder": True}]))
     yield serve.run(app, name="models", route_prefix="/models")
     serve.delete("models")
 
@@ -178,17 +175,10 @@ def test_window_answers_split_where_the_model_marks_pages():
     assert [e["text"] for e in unsplit] == ["all of it", "", ""] and not unsplit[0]["split"]
 
 
-@pytest.fixture(scope="module")
-def unlimited_checkpoint(tmp_path_factory):
-    """A tiny random Unlimited-OCR checkpoint (DeepSeek-OCR's encoder, the R-SWA decoder)."""
-    from decoder import DecoderArgs
-    from deployments.model_source import write_random_model
-    return write_random_model(tmp_path_factory.mktemp("unlimited"),
-                              language=DecoderArgs.tiny(sliding_window=8), seed=7)
-
-
 @pytest.mark.slow
-def test_unlimited_ocr_reads_many_pages_per_request(serve_app, unlimited_checkpoint):
+def test_unlimited_ocr_reads_many_pages_per_request(serve_app):
+    """Unlimited-OCR's tiny random model (`checkpoint: tiny-random-unlimited-ocr`: DeepSeek-OCR's
+    encoder, the R-SWA decoder) reads several pages a request."""
     requests = pytest.importorskip("requests")
     from ray import serve
 
@@ -196,7 +186,8 @@ def test_unlimited_ocr_reads_many_pages_per_request(serve_app, unlimited_checkpo
     from deployments.app import build
     from tests.conftest import SERVE_URL
     from tests.pdfs import make_pdf
-    serve.run(build(AppConfig(checkpoint=unlimited_checkpoint, max_len=4096, max_images=4)),
+    from deployments.model_source import TINY_WARNING, resolve_checkpoint
+    serve.run(build(AppConfig(checkpoint="tiny-random-unlimited-ocr", max_len=4096, max_images=4)),
               name="unlimited", route_prefix="/unlimited")
     try:
         url = f"{SERVE_URL}/unlimited/v1/ocr"
@@ -207,7 +198,8 @@ def test_unlimited_ocr_reads_many_pages_per_request(serve_app, unlimited_checkpo
         document = response.json()
         assert [p["index"] for p in document["pages"]] == [0, 1, 2] and document["failed_pages"] == []
         assert [p["window"] for p in document["pages"]] == [[0, 1], [0, 1], [2]]
-        tokenizer = load_tokenizer(unlimited_checkpoint)
+        assert (document["model"], document["warning"]) == ("tiny-random-unlimited-ocr", TINY_WARNING)
+        tokenizer = load_tokenizer(resolve_checkpoint("tiny-random-unlimited-ocr")[0])
         # Base mode: 273 tokens a page; its own multi-page prompt for two pages, one page's for one.
         first, _, last = document["pages"]
         assert first["usage"]["image_tokens"] == 2 * 273 and last["usage"]["image_tokens"] == 273

@@ -1,7 +1,9 @@
 """The Serve application on a real Ray cluster (tests/conftest.py: serve_app), CPU, tiny random model."""
 import base64
+import glob
 import io
 import json
+import time
 
 import pytest
 import torch
@@ -13,9 +15,12 @@ from ray import serve  # noqa: E402
 
 from decoder import GenerationEngine, GenerationRequest, SamplingParams, build_prompt, load_decoder  # noqa: E402
 from decoder.tokenizer import ByteTokenizer  # noqa: E402
+from deployments.client import AppHandle  # noqa: E402
 from deployments.config import AppConfig  # noqa: E402
+from deployments.protocol import BadRequest, replica_error  # noqa: E402
 from deployments.model_source import resolve_checkpoint  # noqa: E402
-from encoder import DualPathEncoder, load_encoder  # noqa: E402
+from encoder import DualPathEncoder, ImageError, load_encoder  # noqa: E402
+from ray.exceptions import RayTaskError  # noqa: E402
 from tests.conftest import SERVE_APP as APP  # noqa: E402
 from tests.conftest import SERVE_URL as URL  # noqa: E402
 from tests.helpers import assert_clean_error, truncated_image  # noqa: E402
@@ -160,11 +165,38 @@ def test_http_ocr_multipart_and_encode(handle):
     assert image["num_tokens"] == 483 and embedding.numel() == 483 * image["dim"]
 
 
-def test_handle_errors_name_the_problem(handle):
-    with pytest.raises(Exception, match="unknown mode"):
-        handle.encode.remote(picture((64, 64), 1), mode="huge").result(timeout_s=60)
-    with pytest.raises(Exception, match="cannot decode image"):
+def replica_log_lines(words: str) -> int:
+    """Lines holding `words` in this cluster's replica logs (Serve's files and their stderr)."""
+    logs = ray._private.worker._global_node.get_logs_dir_path()
+    paths = glob.glob(f"{logs}/serve/*.log") + glob.glob(f"{logs}/worker-*.err")
+    return sum(open(path, errors="replace").read().count(words) for path in paths)
+
+
+def test_handle_errors_are_the_apps_own_exceptions_and_log_one_line(handle):
+    """Through `AppHandle`, a failed call raises the Router's own exception (class, message,
+    field), not Ray's wrapper; Serve logs it as one line, not a traceback on the Router and on
+    each encoder replica the image reached."""
+    ocr = AppHandle(handle)
+    tracebacks = replica_log_lines("tiling.ImageError")  # a traceback's last line names its module
+    with pytest.raises(BadRequest) as raised:
+        ocr.encode.remote(picture((64, 64), 1), mode="huge").result(timeout_s=60)
+    assert not isinstance(raised.value, RayTaskError) and raised.value.param == "mode"
+    assert str(raised.value).startswith("unknown mode 'huge'"), str(raised.value)
+    for call in (lambda: ocr.ocr.remote(truncated_image("PNG")).result(timeout_s=60),
+                 lambda: list(ocr.options(stream=True).ocr_stream.remote(truncated_image("JPEG")))):
+        with pytest.raises(ImageError) as raised:
+            call()
+        assert not isinstance(raised.value, RayTaskError), type(raised.value)
+        assert str(raised.value).startswith("cannot decode image"), str(raised.value)
+        assert raised.value.image_index == 0
+    with pytest.raises(Exception, match="cannot decode image") as raised:  # Serve's own handle
         handle.ocr.remote(b"not an image").result(timeout_s=60)
+    assert isinstance(raised.value, RayTaskError) and str(replica_error(raised.value)).startswith("cannot")
+    deadline = time.monotonic() + 60  # the replicas' stderr reaches its files within a moment
+    while replica_log_lines("Request refused, the caller's to fix: ImageError") < 3 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert replica_log_lines("Request refused, the caller's to fix: ImageError") >= 3
+    assert replica_log_lines("tiling.ImageError") == tracebacks
 
 
 def rotated_jpeg(size, seed) -> bytes:
