@@ -147,6 +147,9 @@ def main(argv=None):
     parser.add_argument("--profile", action="store_true", help="realistic: also profile one page's "
                         "prefill and 10 decode steps at batch 1 and at each level (the kernels' shares "
                         "of a step, in the JSON)")
+    parser.add_argument("--window", type=float, default=0, metavar="SECONDS", help="realistic: also "
+                        "run each level through AsyncEngine (the Decoder replica's loop) with a profile "
+                        "window of SECONDS (the one DecoderServer.profile opens on the service)")
     parser.add_argument("--profile-only", action="store_true", help="realistic: only the profile (no "
                         "timed runs), written as <name>-profile")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, fp32: the realistic "
@@ -486,6 +489,41 @@ def closed_loop(engine, requests: list, n: int, cost: StepCost) -> dict:
             "preemptions": engine.preemptions - preemptions}
 
 
+def through_async_engine(engine, requests: list, n: int, window_s: float) -> dict:
+    """`requests` through `AsyncEngine`, the Decoder replica's loop (the engine stepped on its
+    own thread, requests submitted from an asyncio loop, whole answers merged on that thread),
+    n in flight, and a profile window of `window_s` (`AsyncEngine.profile`, the one
+    `DecoderServer.profile` opens on the running service) from the first finish on. The same
+    engine and instrument as the service, without Serve: what the replica's process adds shows
+    against the service's window at the same n."""
+    import asyncio
+
+    from decoder.async_engine import AsyncEngine
+    loop_engine, pending = AsyncEngine(engine), list(reversed(requests))
+
+    async def main():
+        first_finish = asyncio.Event()
+
+        async def worker() -> int:
+            produced = 0
+            while pending:
+                async for delta in loop_engine.generate(pending.pop(), stream=False):
+                    produced += delta.completion_tokens
+                first_finish.set()
+            return produced
+        start = time.perf_counter()
+        workers = [asyncio.create_task(worker()) for _ in range(n)]
+        await first_finish.wait()
+        profile = await asyncio.get_running_loop().run_in_executor(None, loop_engine.profile, window_s)
+        produced = sum(await asyncio.gather(*workers))
+        return {"whole_run_tokens_per_s": produced / (time.perf_counter() - start),
+                "generated_tokens": produced, "window": profile}
+    try:
+        return asyncio.run(main())
+    finally:
+        loop_engine.stop()
+
+
 def one_page(engine, tokenizer, embeds: dict, token_scale: int, cost) -> dict:
     """One A4 page alone: its prefill to the first token and the whole generation (seconds),
     against the bound of its decode steps (batch 1: the experts its tokens route to and its own
@@ -616,6 +654,13 @@ def measure_realistic(opts) -> None:
                   f"{row['fraction_of_bound']:.2f}; decode-only steps {row['decode_only_fraction_of_bound'] or 0:.2f} "
                   f"(p50 {row['decode_step_ms_p50'] or 0:.2f} ms), prefill share {row['prefill_share_of_window']:.2f}, "
                   f"mean batch {row['mean_batch']:.0f}, context {row['mean_context_tokens']:.0f}", flush=True)
+        for n in () if opts.profile_only or not opts.window else levels:
+            rows.setdefault("async_engine", {})[str(n)] = row = through_async_engine(
+                engine, page_requests(specs[n], tokenizer, embeds, token_scale), n, opts.window)
+            window = row["window"]
+            print(f"{variant} c{n} through AsyncEngine: window {window['tokens_per_s']:.0f} tokens/s, "
+                  f"{window['ms_per_step']:.2f} ms a step of {window['sequences_per_step']:.0f} sequences, "
+                  f"device wait {window['device_wait_share']:.2f}, idle {window['idle_share']:.2f}", flush=True)
         if not opts.profile_only:
             pages = sorted((one_page(engine, tokenizer, embeds, token_scale, cost) for _ in range(opts.repeats)),
                            key=lambda r: r["seconds"])
@@ -673,6 +718,8 @@ def write_realistic(opts, variants: dict, setting: dict) -> None:
                **{f"{key}_c{n}": first[str(n)][key] for n in levels
                   for key in ("tokens_per_s", "bound_tokens_per_s", "fraction_of_bound",
                               "decode_only_fraction_of_bound")},
+               **{f"async_engine_window_tokens_per_s_c{n}": first["async_engine"][str(n)]["window"]["tokens_per_s"]
+                  for n in levels if str(n) in first.get("async_engine", {})},
                "one_page_s": first["one_page"]["seconds"],
                "hbm_bandwidth_gb_s": bandwidth["bytes_per_s"] / 1e9, "targets": REALISTIC_TARGETS,
                "met": {**{f"fraction_of_bound_c{n}": first[str(n)]["fraction_of_bound"]

@@ -82,6 +82,7 @@ PORT = 8000  # --port: HTTP on 127.0.0.1
 URL = f"http://127.0.0.1:{PORT}"
 FIRST_PAGE_TOKENS = 700
 ALONE_PAGES = 5  # one page alone, streamed, after the levels
+WINDOW_AFTER_S = 15  # --profile_window: opened this far into a level (its pipeline full)
 CONCURRENCY = (1, 16, 64, 256)
 # Issue 38: generated tokens/s at the best level without a refusal (≈ 30 pages/s at 700 tokens a
 # page), the cold start, and a page alone's time to first token against its in-process twin.
@@ -354,9 +355,24 @@ class DecoderMetrics:
 
 
 # --- one repetition --------------------------------------------------------------------------------
+def decoder_window(app: str, seconds: float, after_s: float):
+    """A profile window of `seconds` on the running app's Decoder (`DecoderServer.profile`),
+    opened `after_s` into a level (the pipeline full by then), from this process joined to the
+    app's Ray cluster (no GPU work here): a future of the window's dict."""
+    def window() -> dict:
+        time.sleep(after_s)
+        import ray
+        from ray import serve
+        if not ray.is_initialized():
+            ray.init(address="auto", log_to_driver=False, logging_level="ERROR")
+        return serve.get_deployment_handle("Decoder", app).profile.remote(seconds).result(timeout_s=seconds + 120)
+    return ThreadPoolExecutor(1).submit(window)
+
+
 def repetition(config: str, levels, pages: dict, first_page: bytes, first_tokens: int, work: str,
-               checkpoint: str | None, startup_log) -> dict:
-    """`serve run` the config, its cold start, every level, then stop it."""
+               checkpoint: str | None, startup_log, window_s: float = 0) -> dict:
+    """`serve run` the config, its cold start, every level, then stop it; `window_s`: a
+    profile window on the Decoder in each level."""
     if checkpoint:
         evict_from_page_cache(checkpoint)
     triton_files = triton_cache_files()
@@ -386,9 +402,16 @@ def repetition(config: str, levels, pages: dict, first_page: bytes, first_tokens
         # Requests with a time per output token (more than one token) and tokens, so far.
         answered, tokens, rows = int(first["tokens"] > 1), first["tokens"], {}
         settled = metrics.wait_for(answered, tokens) if metrics else None
+        app = yaml.safe_load(open(config))["applications"][0]["name"]
         for c in levels:
             start = time.perf_counter()
+            window = decoder_window(app, window_s, WINDOW_AFTER_S) if window_s else None
             row, answers = load(pages[c], c)
+            if window is not None:
+                try:
+                    row["decoder_window"] = window.result()
+                except Exception as e:  # noqa: BLE001 - the level's figures stand without it
+                    row["decoder_window"] = {"error": f"{type(e).__name__}: {e}"}
             answered += sum(1 for a in answers if a["tokens"] > 1)
             tokens += row["generated_tokens"]
             after = metrics.wait_for(answered, tokens) if settled else None
@@ -417,6 +440,9 @@ def repetition(config: str, levels, pages: dict, first_page: bytes, first_tokens
         if metrics:
             metrics.stop()
         stop(server)
+        if window_s:
+            import ray
+            ray.shutdown()  # this process's link to the cluster just stopped
     return {"cold_start_s": cold_start, "ready_s": ready_s, "startup_phases_s": phases,
             "first_page_timings_ms": first["timings"],
             "triton_cache_files_before": triton_files, "metrics_url": url, "levels": rows,
@@ -554,6 +580,9 @@ def main(argv=None) -> None:
                         help="the random checkpoint's vision encoder (DeepSeek-OCR 2: DeepEncoder V2)")
     parser.add_argument("--checkpoint", help="the real-dims random checkpoint's directory: "
                         "written there unless it has one already (runs in one session share it)")
+    parser.add_argument("--profile_window", type=float, default=0, metavar="SECONDS",
+                        help=f"a profile window of SECONDS on the Decoder {WINDOW_AFTER_S} s into each level "
+                        "(DecoderServer.profile: its engine thread's steps and stack samples)")
     opts = parser.parse_args(argv)
     global PORT, URL  # the helpers above read them
     PORT, URL = opts.port, f"http://127.0.0.1:{opts.port}"
@@ -605,7 +634,7 @@ def main(argv=None) -> None:
              "workload": opts.workload, "seed": opts.seed, "pages_per_level": counts, "levels": list(levels),
              "first_page": f"grey 1191x1684 PNG, max_tokens {first_tokens}",
              "max_tokens": "each page's own (bench/workload.py)" + (", /100 (smoke)" if opts.smoke else ""),
-             "repetitions": reps}
+             "repetitions": reps, "decoder_profile_window_s": opts.profile_window or None}
     done = []
 
     def write(summary: dict, rows: dict) -> None:
@@ -617,7 +646,7 @@ def main(argv=None) -> None:
         for rep in range(reps):
             startup_log.write(f"=== repetition {rep + 1} ===\n")
             done.append(repetition(config, levels, pages, uniform_page("first page"), first_tokens, work,
-                                   checkpoint, startup_log))
+                                   checkpoint, startup_log, opts.profile_window))
             summary, rows = summarize(done, levels)
             write(summary, rows)
     # The in-process twin of a page alone's first token, once the app has let go of the device.

@@ -10,11 +10,33 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import astuple, dataclass, fields
+
+from common.stack_sampler import sample_thread
 
 from .engine import GenerationEngine
 from .sequence import Delta, GenerationRequest
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopCounters:
+    """What the engine thread did since it started (its windows are differences of these)."""
+    steps: int = 0
+    step_s: float = 0.0  # inside `GenerationEngine.step`
+    step_cpu_s: float = 0.0  # the engine thread's CPU time in them (the rest: waiting for the
+    # GIL, the device, a lock; a device wait may spin and count as CPU)
+    idle_s: float = 0.0  # waiting for work
+    rows: int = 0  # running sequences after each step, summed
+    kv_pages: int = 0  # KV-cache pages in use after each step, summed
+    tokens: int = 0  # generated
+    prefills: int = 0  # prefill forwards
+    prefilled_tokens: int = 0
+    device_wait_s: float = 0.0  # blocked on the device for picks (in steps)
+
+    def minus(self, other: LoopCounters) -> LoopCounters:
+        return LoopCounters(*(a - b for a, b in zip(astuple(self), astuple(other))))
 
 
 class AsyncEngine:
@@ -29,6 +51,8 @@ class AsyncEngine:
         self._prepared = threading.Event()
         self._prepare_error: BaseException | None = None
         self._progress = time.monotonic()  # when the engine thread last finished a step or idled
+        self._counters = LoopCounters()
+        self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="generation-engine", daemon=True)
         self._thread.start()
         # Graph capture happens on the engine thread; wait for it, so a replica is ready (and
@@ -48,6 +72,33 @@ class AsyncEngine:
         self._inbox.put(("probe", done, None, None))
         self._wake.set()
         return done
+
+    def counters(self) -> LoopCounters:
+        """Now's totals (read from another thread: a step may be half counted; fine for rates)."""
+        runner = self.engine.runner
+        return LoopCounters(**{f.name: getattr(self._counters, f.name) for f in fields(LoopCounters)}
+                            | {"tokens": self.engine.tokens_generated, "prefills": runner.prefills,
+                               "prefilled_tokens": runner.prefilled_tokens,
+                               "device_wait_s": runner.device_wait_s})
+
+    def profile(self, seconds: float, interval_s: float = 0.005) -> dict:
+        """A window of `seconds` on the engine thread (blocks the caller, on another thread):
+        what its steps did (time per step, sequences per step, prefills, the KV cache's use, the
+        share of the time it waited for the device or for work) and where its time went
+        (`common.stack_sampler`). The same window on the service's replica and on the in-process
+        bench's engine compares the two harnesses."""
+        before, start = self.counters(), time.perf_counter()
+        stacks = sample_thread(self._thread.ident, seconds, interval_s)
+        window, elapsed = self.counters().minus(before), time.perf_counter() - start
+        return engine_window(window, elapsed, self.engine.cache.num_pages) | {"stacks": stacks}
+
+    def stop(self) -> None:
+        """End the engine thread once the requests in flight are done (their callers still get
+        their answers); requests added after this are never taken. For in-process users that
+        step the engine with something else afterwards (benchmarks); a replica never stops it."""
+        self._inbox.put(("stop", None, None, None))
+        self._wake.set()
+        self._thread.join()
 
     @property
     def alive(self) -> bool:
@@ -100,6 +151,8 @@ class AsyncEngine:
                     self._streams[request_id] = (loop, deltas, merged)
                 except Exception as e:  # bad request: tell its caller, keep serving
                     loop.call_soon_threadsafe(deltas.put_nowait, e)
+            elif kind == "stop":
+                self._stopping = True
             elif kind == "probe":
                 if not payload.set_running_or_notify_cancel():
                     continue  # its health check gave up waiting
@@ -122,13 +175,24 @@ class AsyncEngine:
             self._prepared.set()
         while True:
             self._drain_inbox()
+            counters = self._counters
+            if self._stopping and not self.engine.has_work():
+                return
             if not self.engine.has_work():
+                waited = time.perf_counter()
                 self._wake.wait()
                 self._wake.clear()
+                counters.idle_s += time.perf_counter() - waited
                 self._progress = time.monotonic()
                 continue
             try:
+                started, cpu = time.perf_counter(), time.thread_time()
                 deltas = self.engine.step()
+                counters.steps += 1
+                counters.step_s += time.perf_counter() - started
+                counters.step_cpu_s += time.thread_time() - cpu
+                counters.rows += len(self.engine.running)
+                counters.kv_pages += self.engine.cache.pages_in_use()
                 self._progress = time.monotonic()
             except Exception as e:  # fail the requests in flight, keep the engine serving
                 log.exception("generation step failed")
@@ -140,3 +204,19 @@ class AsyncEngine:
             for delta in deltas:
                 if delta.request_id in self._streams:
                     self._publish(delta)
+
+
+def engine_window(window: LoopCounters, seconds: float, kv_pages: int) -> dict:
+    """A window's counters as rates and shares."""
+    steps = max(window.steps, 1)
+    return {"seconds": round(seconds, 3), "steps": window.steps,
+            "ms_per_step": round(window.step_s / steps * 1e3, 3),
+            "sequences_per_step": round(window.rows / steps, 2),
+            "tokens_per_s": round(window.tokens / seconds, 1),
+            "prefills_per_s": round(window.prefills / seconds, 2),
+            "prefilled_tokens_per_s": round(window.prefilled_tokens / seconds, 1),
+            "kv_cache_use": round(window.kv_pages / steps / kv_pages, 4),
+            "stepping_share": round(window.step_s / seconds, 4),
+            "stepping_cpu_share": round(window.step_cpu_s / seconds, 4),
+            "idle_share": round(window.idle_s / seconds, 4),
+            "device_wait_share": round(window.device_wait_s / seconds, 4)}

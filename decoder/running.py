@@ -10,6 +10,8 @@ request.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from common import switches
@@ -55,6 +57,10 @@ class ModelRunner:
         self._picks_host = None  # pinned: a step's picks read back while the next step runs
         self._warmed_prefill = False
         self.compile_ahead_s = 0.0  # the Triton kernels compiled on threads before capture
+        # Since the start, for profiles (AsyncEngine.profile): prefill forwards, the tokens
+        # they ran, and the host's time blocked waiting for the device to hand picks back.
+        self.prefills = self.prefilled_tokens = 0
+        self.device_wait_s = 0.0
 
     @torch.inference_mode()
     def probe(self) -> None:
@@ -110,6 +116,8 @@ class ModelRunner:
         (consecutive: `Scheduler.place`); the last real position's logits of each row [B, vocab]."""
         contexts = [seq.context() for seq in seqs]
         lengths = [len(c) for c in contexts]
+        self.prefills += 1
+        self.prefilled_tokens += sum(lengths)
         slot = seqs[0].slot
         self.cache.sync()
         ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
@@ -171,7 +179,11 @@ class ModelRunner:
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         """Each row's next token (waits for the device)."""
-        return self.pick_on_device(seqs, logits).tolist()
+        picked = self.pick_on_device(seqs, logits)
+        start = time.perf_counter()
+        tokens = picked.tolist()
+        self.device_wait_s += time.perf_counter() - start
+        return tokens
 
     def read_back(self, picked: torch.Tensor):
         """Start copying `picked` (a step's tokens on the device) to the host; returns a function
@@ -186,7 +198,9 @@ class ModelRunner:
         copied = torch.cuda.current_stream(picked.device).record_event()
 
         def tokens() -> list[int]:
+            start = time.perf_counter()
             copied.synchronize()
+            self.device_wait_s += time.perf_counter() - start
             return host.tolist()
         return tokens
 

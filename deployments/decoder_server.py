@@ -89,6 +89,14 @@ class DecoderServer:
         except asyncio.TimeoutError:  # requests arrived first: not a fault
             return
 
+    async def profile(self, seconds: float = 10.0) -> dict:
+        """A profiler window of `seconds` on this replica's engine thread, under whatever load it
+        has (`AsyncEngine.profile`: steps, sequences per step, prefills, KV-cache use, waits, and
+        the thread's stack samples); benches open it on the running service."""
+        if not 0 < seconds <= 300:
+            raise ValueError(f"a profile window lasts (0, 300] seconds, got {seconds}")
+        return await asyncio.get_running_loop().run_in_executor(None, self.engine.profile, seconds)
+
     def ready(self) -> dict:
         """Answers once the constructor (weights, decode-graph capture) has finished."""
         engine = self.engine.engine

@@ -124,9 +124,14 @@ def test_serve_bench_smoke(tmp_path):
 def test_decoder_bench_realistic_smoke(tmp_path):
     """Pages' contexts (their image tokens and lengths) through the engine, n in flight, against
     the bound from the weights touched and the live KV cache at the copy bandwidth measured; the
-    decode-step profiles at batch 1 and each level, and one page's prefill profiled."""
-    result = run_smoke("decoder_bench.py", "decoder-realistic", tmp_path, "--profile")
+    same through AsyncEngine with a profile window; the decode-step profiles at batch 1 and each
+    level, and one page's prefill profiled."""
+    result = run_smoke("decoder_bench.py", "decoder-realistic", tmp_path, "--profile", "--window", "0.3")
     run = result["variants"]["decode_graphs"]
+    for n in (2, 4):  # the same pages through AsyncEngine, the Decoder replica's loop
+        through = run["async_engine"][str(n)]
+        assert through["generated_tokens"] == run[str(n)]["generated_tokens"] and through["window"]["steps"] > 0
+        assert result["summary"][f"async_engine_window_tokens_per_s_c{n}"] == through["window"]["tokens_per_s"]
     for n in (2, 4):
         row = run[str(n)]
         specs = draw_specs(3 * n, n)  # the smoke's seed 0 + n; each max_tokens / 100

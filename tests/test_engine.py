@@ -1,5 +1,6 @@
 """Continuous batching, KV cache, stop conditions and streaming of the generation engine (CPU)."""
 import asyncio
+import concurrent.futures
 import collections
 import dataclasses
 
@@ -258,6 +259,33 @@ def test_async_engine_streams_and_matches_offline(model, tokenizer):
         assert (delta.text, delta.token_ids, delta.finish_reason, delta.completion_tokens) == \
             (expected.text, expected.token_ids, expected.finish_reason, expected.completion_tokens)
         assert delta.finished and delta.first_token_at is not None
+
+
+def test_a_profile_window_counts_the_engine_threads_steps_and_samples_its_stack(model, tokenizer):
+    """`AsyncEngine.profile` (what `DecoderServer.profile` opens on a replica): over a window
+    that sees a whole generation, its tokens and steps as counted, its time in `step`."""
+    engine = AsyncEngine(GenerationEngine(model, tokenizer, max_batch=4, max_len=2048))
+    window = concurrent.futures.ThreadPoolExecutor(1).submit(engine.profile, 3.0, 0.002)
+
+    async def main():
+        await asyncio.sleep(0.2)  # the window is open
+        return await asyncio.gather(*(collect(engine, r) for r in requests(tokenizer)))
+    produced = sum(len(tokens) for tokens in asyncio.run(main()))
+    profile = window.result(timeout=60)
+    assert profile["steps"] > 0 and profile["tokens_per_s"] * profile["seconds"] == pytest.approx(produced, abs=0.5)
+    assert profile["prefills_per_s"] > 0 and 1 <= profile["sequences_per_step"] <= 4
+    assert 0 < profile["stepping_share"] < 1 and 0 < profile["idle_share"] < 1
+    assert 0 < profile["stepping_cpu_share"] <= profile["stepping_share"] + 0.05
+    assert profile["device_wait_share"] == 0  # on a CPU picks are read at once
+    stacks = profile["stacks"]
+    assert stacks["samples"] > 100 and stacks["missing_share"] == 0
+    inclusive = dict(stacks["inclusive"])
+    assert inclusive["decoder.async_engine.AsyncEngine._loop"] == 1.0
+    assert 0 < inclusive["decoder.engine.GenerationEngine.step"] < 1
+
+
+async def collect(engine, request) -> list[int]:
+    return [t async for delta in engine.generate(request) for t in delta.token_ids]
 
 
 def test_async_engine_bad_request_and_early_exit(model, tokenizer):

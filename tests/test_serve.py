@@ -165,6 +165,21 @@ def test_http_ocr_multipart_and_encode(handle):
     assert image["num_tokens"] == 483 and embedding.numel() == 483 * image["dim"]
 
 
+def test_a_profile_window_opens_on_the_decoders_engine_thread(handle):
+    """`DecoderServer.profile`: the window a bench opens on the running service's Decoder sees
+    the generations sent meanwhile, and samples the engine thread's stack."""
+    decoder = serve.get_deployment_handle("Decoder", APP)
+    window = decoder.profile.remote(4.0)
+    time.sleep(0.5)
+    results = [handle.ocr.remote(picture((448, 448), i), max_tokens=8) for i in range(4)]
+    produced = sum(r.result(timeout_s=300)["usage"]["completion_tokens"] for r in results)
+    profile = window.result(timeout_s=60)
+    assert profile["steps"] > 0 and profile["tokens_per_s"] * profile["seconds"] >= produced - 0.5
+    assert dict(profile["stacks"]["inclusive"])["decoder.async_engine.AsyncEngine._loop"] == 1.0
+    with pytest.raises(Exception, match="lasts"):
+        decoder.profile.remote(0).result(timeout_s=60)
+
+
 def replica_log_lines(words: str) -> int:
     """Lines holding `words` in this cluster's replica logs (Serve's files and their stderr)."""
     logs = ray._private.worker._global_node.get_logs_dir_path()
