@@ -78,6 +78,10 @@ SWITCHES = {s.name: s for s in (
     Switch("DEEPSEEK_OCR_OVERLAP_PICKS", "1", ON_OFF,
            "every decode step's tokens read on the host before the next step is launched (decoder), "
            "not the next step launched from them on the device and read while it runs"),
+    Switch("DEEPSEEK_OCR_STAGED_COPIES", "1", ON_OFF,
+           "every small host list a decode step sends the device (n-gram bans, row orders, held "
+           "tokens) pinned as a tensor of its own (decoder), not written into one pinned ring "
+           "reused step after step (decoder/staging.py)"),
     Switch("DEEPSEEK_OCR_PREFILL_GRAPHS", "1", ON_OFF,
            "every prefill launched eagerly, kernel by kernel (decoder), not a one-sequence prefill "
            "replayed from a CUDA graph at its token bucket"),

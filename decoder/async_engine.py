@@ -34,6 +34,7 @@ class LoopCounters:
     prefills: int = 0  # prefill forwards
     prefilled_tokens: int = 0
     device_wait_s: float = 0.0  # blocked on the device for picks (in steps)
+    bans: int = 0  # (row, token) pairs the n-gram rule banned
 
     def minus(self, other: LoopCounters) -> LoopCounters:
         return LoopCounters(*(a - b for a, b in zip(astuple(self), astuple(other))))
@@ -79,7 +80,7 @@ class AsyncEngine:
         return LoopCounters(**{f.name: getattr(self._counters, f.name) for f in fields(LoopCounters)}
                             | {"tokens": self.engine.tokens_generated, "prefills": runner.prefills,
                                "prefilled_tokens": runner.prefilled_tokens,
-                               "device_wait_s": runner.device_wait_s})
+                               "device_wait_s": runner.device_wait_s, "bans": runner.bans})
 
     def profile(self, seconds: float, interval_s: float = 0.005) -> dict:
         """A window of `seconds` on the engine thread (blocks the caller, on another thread):
@@ -216,6 +217,7 @@ def engine_window(window: LoopCounters, seconds: float, kv_pages: int) -> dict:
             "prefills_per_s": round(window.prefills / seconds, 2),
             "prefilled_tokens_per_s": round(window.prefilled_tokens / seconds, 1),
             "kv_cache_use": round(window.kv_pages / steps / kv_pages, 4),
+            "bans_per_step": round(window.bans / steps, 1),
             "stepping_share": round(window.step_s / seconds, 4),
             "stepping_cpu_share": round(window.step_cpu_s / seconds, 4),
             "idle_share": round(window.idle_s / seconds, 4),

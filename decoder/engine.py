@@ -42,7 +42,7 @@ from common import switches
 from .kv_cache import KVCache, cache_pages, kv_dtype
 from .model import Decoder
 from .output import OutputProcessor
-from .running import ModelRunner, to_device
+from .running import ModelRunner
 from .scheduling import Scheduler
 from .sequence import MAX_TEMPERATURE, Delta, GenerationRequest, SamplingParams, Sequence
 from .tokenizer import IMAGE_TOKEN_ID
@@ -277,7 +277,7 @@ class GenerationEngine:
             fresh, fresh_logits, fresh_rows = self._prefilled
             self._prefilled = None
             if fresh_rows is not None:
-                fresh_logits = fresh_logits.index_select(0, to_device(torch.tensor(fresh_rows), logits.device))
+                fresh_logits = fresh_logits.index_select(0, runner.staged(fresh_rows))
             picked_rows += fresh
             sources.append(runner.pick_on_device(fresh, fresh_logits))
         picks = torch.cat(sources) if len(sources) > 1 else sources[0]
@@ -293,12 +293,12 @@ class GenerationEngine:
             here) the pending token the host holds."""
             held = [seq for seq in staying if id(seq) not in row_of]
             table = picks if not held else torch.cat(
-                [picks, to_device(torch.tensor([seq.pending for seq in held]), picks.device)])
+                [picks, runner.staged([seq.pending for seq in held])])
             at = {**row_of, **{id(seq): len(picked_rows) + i for i, seq in enumerate(held)}}
             order = [at[id(seq)] for seq in staying]
             if order == list(range(len(order))):
                 return table[:len(order)]
-            return table.index_select(0, to_device(torch.tensor(order), picks.device))
+            return table.index_select(0, runner.staged(order))
 
         if self.prefill_behind_decode:
             self._decode_then_prefill(tokens_for)

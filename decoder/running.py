@@ -21,15 +21,8 @@ from .kv_cache import KVCache
 from .model import CacheStep, Decoder
 from .sampling import SamplerGraphs, argmax_rows, pick_tokens
 from .sequence import Sequence
+from .staging import StagedCopies, to_device
 from .tokenizer import IMAGE_TOKEN_ID
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` on `device` without the host waiting: a host tensor goes through pinned memory
-    (the caching host allocator keeps it until the copy has run)."""
-    if device.type != "cuda" or tensor.device.type == "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class ModelRunner:
@@ -61,6 +54,8 @@ class ModelRunner:
         # they ran, and the host's time blocked waiting for the device to hand picks back.
         self.prefills = self.prefilled_tokens = 0
         self.device_wait_s = 0.0
+        self.bans = 0  # (row, token) pairs the n-gram rule banned
+        self.staged = StagedCopies(model.device)  # each step's small host lists to the device
 
     @torch.inference_mode()
     def probe(self) -> None:
@@ -216,8 +211,9 @@ class ModelRunner:
                 rows += [i] * len(banned)
                 cols += banned
         if rows:
-            device = logits.device
-            logits[to_device(torch.tensor(rows), device), to_device(torch.tensor(cols), device)] = float("-inf")
+            self.bans += len(rows)
+            where = self.staged(rows + cols).view(2, len(rows))  # one copy for both
+            logits[where[0], where[1]] = float("-inf")
         return self.pick(seqs, logits)
 
     def pick(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:

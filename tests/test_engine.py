@@ -1,7 +1,7 @@
 """Continuous batching, KV cache, stop conditions and streaming of the generation engine (CPU)."""
 import asyncio
-import concurrent.futures
 import collections
+import concurrent.futures
 import dataclasses
 
 import pytest
@@ -12,7 +12,7 @@ from decoder.checkpoint import load_decoder, random_decoder
 from decoder.config import DecoderArgs
 from deployments.model_source import write_random_model
 from decoder.async_engine import AsyncEngine
-from decoder.engine import GenerationEngine, GenerationRequest, SamplingParams
+from decoder.engine import Delta, GenerationEngine, GenerationRequest, SamplingParams
 from decoder.kv_cache import PAGE_TOKENS, KVCache, gathered_decode_attention, pages_for
 from decoder.ngram import NGramConfig
 from decoder.tokenizer import IMAGE_TOKEN_ID, ByteTokenizer, build_prompt
@@ -580,6 +580,51 @@ def test_overlapped_picks_generate_what_reading_each_pick_first_does(model, toke
     assert plain == overlapped
     assert plain[(9, 0)][2] == "stop" and plain[(9, 2)][2] == "aborted" and plain[(0, 1)][2] == "length"
     assert engine.overlapped_steps > 20
+
+
+def test_staged_copies_hand_back_what_was_staged_across_laps():
+    """decoder/staging.py's ring: every copy holds its own values after the ring wrapped past
+    it; a list longer than the ring goes as a tensor of its own."""
+    from decoder.staging import StagedCopies
+    staged = StagedCopies("cpu", capacity=10)
+    copies = [(values, staged(values)) for values in ([1, 2, 3], [4, 5, 6, 7], [8, 9, 10], [11], [], [12] * 10)]
+    assert staged.lap == 2 and [c.tolist() for _, c in copies] == [v for v, _ in copies]
+    assert staged(list(range(11))).tolist() == list(range(11))
+
+
+def test_staged_copies_generate_what_a_tensor_per_copy_does(model, tokenizer, monkeypatch):
+    """The small host lists of each step (n-gram bans, overlapped picks' row orders and held
+    tokens) through one ring that wraps every few steps, against a tensor per copy (the twin,
+    DEEPSEEK_OCR_STAGED_COPIES=0): the same generations, the rule banning often, sequences
+    leaving from the middle rows and joining."""
+    from decoder.staging import StagedCopies
+    ngram = NGramConfig(ngram_size=2, window=30)
+    batches = {0: [make_request(tokenizer, "<image>\nFree OCR.", [40], 30, 1, ngram=ngram),
+                   make_request(tokenizer, "hello", (), 7, 2, ngram=ngram),
+                   make_request(tokenizer, "zz", (), 45, 3, ngram=ngram)],
+               6: [make_request(tokenizer, "<image>x", [30], 18, 5, ngram=ngram),
+                   make_request(tokenizer, "later", (), 25, 6, ngram=ngram)]}
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(StagedCopies, "on", on)
+        engine = GenerationEngine(model, tokenizer, max_batch=4, max_len=2048)
+        engine.runner.staged = StagedCopies(engine.model.device, capacity=6)
+        out[on] = run_steps(engine, batches)
+        assert engine.runner.bans >= 3  # the rule banned tokens: their rows and columns staged
+    assert engine.runner.staged.lap >= 2 and out[False] == out[True]
+
+
+def run_steps(engine, batches: dict) -> dict:
+    """Each step's requests (`batches`: step -> requests) added before it, until all finish:
+    each request's (text, tokens, finish reason)."""
+    results, step = {}, 0
+    while step <= max(batches) or engine.has_work():
+        for request in batches.get(step, []):
+            results[engine.add(request)] = Delta(request.request_id, "", [])
+        for delta in engine.step():
+            results[delta.request_id].merge(delta)
+        step += 1
+    return {rid: (d.text, d.token_ids, d.finish_reason) for rid, d in results.items()}
 
 
 def test_overlapped_picks_launch_no_row_past_a_known_end(model, tokenizer, monkeypatch):
