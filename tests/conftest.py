@@ -21,11 +21,64 @@ def pytest_configure(config):
                             "-m 'not slow' leaves them out)")
 
 
+# -- the suite on several worker processes (pytest-xdist; pyproject's addopts: `-n auto`) ------
+# Much of the suite's wall time is waiting (Ray clusters and apps starting, servers in other
+# processes, load steps): a second worker overlaps those waits with work. A unit of work keeps
+# its module-scoped fixtures on one worker: a module; the modules on the shared app, which start
+# it once; one test, in modules whose tests share nothing (each starts its own cluster); and the
+# tests whose timing is their subject (autoscaling, node loss, rolling updates, probes answered
+# within a second), one after the other, never two of their clusters at once. Units go out
+# longest first (their seconds alone on 2 cores, docs/tests.md; unlisted ones are short), so no
+# long one starts last. (`UnitScheduling` hands them out: xdist's own `--dist loadgroup` cannot
+# group under pytest 9, whose node ids it can no longer suffix.)
+WORKERS = 2  # 2 cores: more workers only slowed each other's clusters (docs/tests.md)
+ON_THE_SHARED_APP = "on-the-shared-app"
+MODULES_ON_THE_SHARED_APP = {  # the modules using `serve_app` (checked at collection)
+    "tests.test_admission", "tests.test_bad_inputs", "tests.test_documents_api", "tests.test_models",
+    "tests.test_openai_api", "tests.test_operations", "tests.test_serve"}
+ONE_UNIT_PER_TEST = ("tests.test_bench_scripts",)
+TIMED_CLUSTERS = "timed-clusters"
+IN_TIMED_CLUSTERS = ("tests.test_autoscaling_cluster", "tests.test_cluster_operations", "tests.test_app_cli",
+                     "tests/test_bench_scripts.py::test_scaleout_bench_smoke")
+SECONDS_ALONE = {
+    TIMED_CLUSTERS: 420, ON_THE_SHARED_APP: 265, "tests/test_bench_scripts.py::test_e2e_bench_smoke": 56,
+    "tests/test_bench_scripts.py::test_serve_bench_smoke": 45, "tests.test_attention": 44,
+    "tests.test_unlimited_ocr_decoder": 44, "tests.test_engine": 40, "tests.test_graphs": 36,
+    "tests.test_decoder_model": 20}
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test belongs to, from its node id (all the scheduler has)."""
+    path, _, name = nodeid.partition("::")
+    module, test = path.removesuffix(".py").replace("/", "."), f"{path}::{name.split('[')[0]}"
+    if module in MODULES_ON_THE_SHARED_APP:
+        return ON_THE_SHARED_APP
+    if module in IN_TIMED_CLUSTERS or test in IN_TIMED_CLUSTERS:
+        return TIMED_CLUSTERS
+    return test if module in ONE_UNIT_PER_TEST else module
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: WORKERS on CPUs; none with a GPU (its tests would share one card's memory)."""
+    return 0 if torch.cuda.is_available() else WORKERS
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        """xdist's scope scheduling (a scope's tests on one worker, in order; scopes handed out
+        in the order of their first test), with `unit_of` as the scope."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+    return UnitScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    # The modules on the shared Serve app (`serve_app`) run last, together: the app starts once
-    # for all of them, and no other test runs beside its idle cluster.
     on_app = {item.module.__name__ for item in items if "serve_app" in item.fixturenames}
-    items.sort(key=lambda item: item.module.__name__ in on_app)  # stable: otherwise as collected
+    assert on_app <= MODULES_ON_THE_SHARED_APP, f"add {on_app - MODULES_ON_THE_SHARED_APP} to MODULES_ON_THE_SHARED_APP"
+    items.sort(key=lambda item: -SECONDS_ALONE.get(unit_of(item.nodeid), 0))  # stable: otherwise as collected
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -89,24 +142,55 @@ METRICS_PORT = free_port()  # Ray's Prometheus export of this test cluster
 SERVE_APP = "ocr-test"
 
 
-@pytest.fixture(scope="session")
+class SharedApp:
+    """The app the modules on the shared app use, in this process: started by the first of
+    their tests, stopped after the last of them (`pytest_runtest_teardown`), so its cluster
+    does not idle beside the units a worker runs next; started again should more come."""
+
+    def __init__(self):
+        self.handle = None
+
+    def start(self):
+        if self.handle is None:
+            ray = pytest.importorskip("ray")
+            from ray import serve
+
+            from deployments.app import build
+            from deployments.config import AppConfig
+            if ray.is_initialized():  # started implicitly by an earlier module's in-process
+                ray.shutdown()        # replica, without this cluster's metrics port
+            ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=METRICS_PORT)
+            serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
+            self.handle = serve.run(build(AppConfig(max_len=2048, max_images=8, max_pages=400)),
+                                    name=SERVE_APP, route_prefix="/")
+        return self.handle
+
+    def stop(self):
+        if self.handle is not None:
+            import ray
+            from ray import serve
+            self.handle = None
+            serve.shutdown()
+            ray.shutdown()
+
+
+SHARED_APP = SharedApp()
+
+
+@pytest.fixture(scope="module")
 def serve_app():
     """The app (tiny model, CPU, max_len 2048, max_images 8, max_pages 400) on a real Ray
-    cluster, started once for every module that uses it (they run last: see
-    pytest_collection_modifyitems): a handle to its Router; HTTP on SERVE_URL. A module that
-    deploys another app beside it deletes that app when done."""
-    ray = pytest.importorskip("ray")
-    from ray import serve
+    cluster, started once for every module that uses it (one unit of work: they run together,
+    see pytest_collection_modifyitems): a handle to its Router; HTTP on SERVE_URL. A module
+    that deploys another app beside it deletes that app when done."""
+    return SHARED_APP.start()
 
-    from deployments.app import build
-    from deployments.config import AppConfig
-    if ray.is_initialized():  # started implicitly by an earlier module's in-process replica,
-        ray.shutdown()        # without this cluster's metrics port
-    ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=METRICS_PORT)
-    serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
-    yield serve.run(build(AppConfig(max_len=2048, max_images=8, max_pages=400)), name=SERVE_APP, route_prefix="/")
-    serve.shutdown()
-    ray.shutdown()
+
+@pytest.hookimpl(trylast=True)  # after the finished test's fixtures (apps deployed beside it) went
+def pytest_runtest_teardown(item, nextitem):
+    on_app = MODULES_ON_THE_SHARED_APP
+    if item.module.__name__ in on_app and (nextitem is None or nextitem.module.__name__ not in on_app):
+        SHARED_APP.stop()  # the worker's next unit runs without its cluster beside it
 
 
 def replica_ids() -> dict[str, str]:

@@ -95,16 +95,19 @@ def test_e2e_bench_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_serve_bench_smoke(tmp_path):
-    """The four one-GPU variants (encoders make the views; one Encoder makes and encodes
-    both paths; that Encoder inside the Router; routers make them with PIL) run through Serve
-    and their ratios are reported per repetition's median."""
-    result = run_smoke("serve_bench.py", "serve", tmp_path, "--port", str(free_port()))
+    """Two of the one-GPU variants (the encoders make the views; the routers make them with
+    PIL, its twin) run through Serve and their ratios are reported per repetition's median.
+    (The other two placements, one Encoder and that Encoder inside the Router, are the same
+    script with another config; tests/test_serve.py serves both and checks them equal to the
+    default: two more smoke apps cost 2 cores half a minute.)"""
+    result = run_smoke("serve_bench.py", "serve", tmp_path, "--port", str(free_port()),
+                       "--variants", "shared", "shared-router-views")
     summary = result["summary"]
     assert summary["smoke"] is True
-    assert summary["variants_run"] == ["shared", "shared-encoder-in-router", "shared-one-encoder",
-                                       "shared-router-views"]
+    assert summary["variants_run"] == ["shared", "shared-router-views"]
     assert set(summary["by_variant"]) == set(summary["variants_run"])
     assert summary["by_variant"]["shared"]["latency_ratio_p50"] <= summary["latency_ratio_p50"]
+    assert summary["router_views_throughput_ratio_c64_vs_encode_only"] > 0
     for variant in result["variants"].values():
         assert len(variant["reps"]) == 1 and all(r["p50_ms"] > 0 for r in variant["reps"])
         stages = variant["router_stages_p50_ms_one_at_a_time"]
@@ -117,7 +120,7 @@ def test_serve_bench_smoke(tmp_path):
         # (Differences of medians: on 2 busy cores a slow first call can make them negative.)
         assert {"serve_call_router_ms", "serve_call_encoder_ms", "router_unstaged_ms",
                 "encoder_unstaged_ms"} <= set(variant["hops_one_at_a_time"])
-    assert [v["views_on_encoder"] for v in result["variants"].values()] == [True, True, True, False]
+    assert [v["views_on_encoder"] for v in result["variants"].values()] == [True, False]
 
 
 @pytest.mark.slow

@@ -167,14 +167,15 @@ def test_http_ocr_multipart_and_encode(handle):
 
 def test_a_profile_window_opens_on_the_decoders_engine_thread(handle):
     """`DecoderServer.profile`: the window a bench opens on the running service's Decoder sees
-    the generations sent meanwhile, and samples the engine thread's stack."""
+    generations sent while it is open (some of their tokens: on busy cores they may outlast
+    it), and samples the engine thread's stack."""
     decoder = serve.get_deployment_handle("Decoder", APP)
     window = decoder.profile.remote(4.0)
     time.sleep(0.5)
     results = [handle.ocr.remote(picture((448, 448), i), max_tokens=8) for i in range(4)]
     produced = sum(r.result(timeout_s=300)["usage"]["completion_tokens"] for r in results)
     profile = window.result(timeout_s=60)
-    assert profile["steps"] > 0 and profile["tokens_per_s"] * profile["seconds"] >= produced - 0.5
+    assert profile["steps"] > 0 and 0 < profile["tokens_per_s"] * profile["seconds"] <= produced + 0.5
     assert dict(profile["stacks"]["inclusive"])["decoder.async_engine.AsyncEngine._loop"] == 1.0
     with pytest.raises(Exception, match="lasts"):
         decoder.profile.remote(0).result(timeout_s=60)
@@ -339,7 +340,8 @@ def test_encoders_refuse_bad_decoded_requests_alone(handle):
 @pytest.mark.slow
 def test_readme_handle_example_runs_from_a_second_process(handle, tmp_path):
     """The README's Python-handle block, as written, in a fresh interpreter that joins this
-    cluster; only the app name and the image path are this test's."""
+    cluster (named by RAY_ADDRESS, which `address="auto"` reads); only the app name and the image
+    path are this test's."""
     import os
     import re
     import subprocess
@@ -354,7 +356,10 @@ def test_readme_handle_example_runs_from_a_second_process(handle, tmp_path):
             .replace('open("page.png"', f'open({str(page)!r}'))
     script = tmp_path / "example.py"
     script.write_text(code + "\nprint('RESULT', result['usage'], seq.shape)\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    # address="auto" joins the newest cluster on the machine, and another worker's may be newer:
+    # this one by its address, with the token Ray made for it (~/.ray/auth_token)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {
+        "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "RAY_AUTH_MODE": "token"}
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr[-3000:]
