@@ -28,7 +28,7 @@ def pytest_configure(config):
 # it once; one test, in modules whose tests share nothing (each starts its own cluster); and the
 # tests whose timing is their subject (autoscaling, node loss, rolling updates, probes answered
 # within a second), one after the other, never two of their clusters at once. Units go out
-# longest first (their seconds alone on 2 cores, docs/tests.md; unlisted ones are short), so no
+# longest first (SECONDS_ALONE: alone on 2 cores, 2026-12-06; unlisted ones are short), so no
 # long one starts last. (`UnitScheduling` hands them out: xdist's own `--dist loadgroup` cannot
 # group under pytest 9, whose node ids it can no longer suffix.)
 WORKERS = 2  # 2 cores: more workers only slowed each other's clusters (docs/tests.md)
