@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import sys
-import threading
 import time
 
 
@@ -54,10 +53,3 @@ def sample_thread(thread_id: int, seconds: float, interval_s: float = 0.005, top
             "missing_share": round(missing / max(samples, 1), 4),
             "inclusive": shares(inclusive), "self": shares(own)}
 
-
-def thread_named(name: str) -> threading.Thread:
-    """The live thread called `name` (a LookupError naming the threads there are, if none is)."""
-    for thread in threading.enumerate():
-        if thread.name == name:
-            return thread
-    raise LookupError(f"no thread named {name!r}: {[t.name for t in threading.enumerate()]}")

@@ -10,7 +10,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass, replace
 
 from common.stack_sampler import sample_thread
 
@@ -30,6 +30,7 @@ class LoopCounters:
     idle_s: float = 0.0  # waiting for work
     rows: int = 0  # running sequences after each step, summed
     kv_pages: int = 0  # KV-cache pages in use after each step, summed
+    # read from the engine and its runner, which count them (`counters`):
     tokens: int = 0  # generated
     prefills: int = 0  # prefill forwards
     prefilled_tokens: int = 0
@@ -77,10 +78,9 @@ class AsyncEngine:
     def counters(self) -> LoopCounters:
         """Now's totals (read from another thread: a step may be half counted; fine for rates)."""
         runner = self.engine.runner
-        return LoopCounters(**{f.name: getattr(self._counters, f.name) for f in fields(LoopCounters)}
-                            | {"tokens": self.engine.tokens_generated, "prefills": runner.prefills,
-                               "prefilled_tokens": runner.prefilled_tokens,
-                               "device_wait_s": runner.device_wait_s, "bans": runner.bans})
+        return replace(self._counters, tokens=self.engine.tokens_generated, prefills=runner.prefills,
+                       prefilled_tokens=runner.prefilled_tokens, device_wait_s=runner.device_wait_s,
+                       bans=runner.bans)
 
     def profile(self, seconds: float, interval_s: float = 0.005) -> dict:
         """A window of `seconds` on the engine thread (blocks the caller, on another thread):

@@ -33,21 +33,13 @@ TINY_LABEL = "tiny-random"  # the tiny model's id: a plain token, usable in URLs
 TINY_WARNING = "RANDOMLY INITIALISED weights: outputs are meaningless"
 
 
-def _tiny_family(vision: str, language: str):
-    def dims() -> tuple[EncoderArgs, DecoderArgs]:
-        decoder = DecoderArgs.tiny(sliding_window=8) if language == "unlimited-ocr" else DecoderArgs.tiny()
-        encoder = EncoderV2Args.tiny() if vision == "v2" else EncoderArgs.tiny()
-        return dataclasses.replace(encoder, n_embed=decoder.hidden), decoder
-    return dims
-
-
 # The tiny random models, one per family, by the name `checkpoint` takes instead of a directory
 # (none: `tiny-random`): each family's real token layout, tiling, prompts and rules at tiny dims,
-# to try it without weights. Their names are their model ids.
+# to try it without weights. Their names are their model ids. (vision, language) dims makers.
 TINY_MODELS = {
-    TINY_LABEL: _tiny_family("v1", "deepseek-ocr"),  # DeepSeek-OCR
-    "tiny-random-ocr2": _tiny_family("v2", "deepseek-ocr"),  # DeepSeek-OCR 2: DeepEncoder V2
-    "tiny-random-unlimited-ocr": _tiny_family("v1", "unlimited-ocr"),  # R-SWA decoder, many pages
+    TINY_LABEL: (EncoderArgs.tiny, DecoderArgs.tiny),  # DeepSeek-OCR
+    "tiny-random-ocr2": (EncoderV2Args.tiny, DecoderArgs.tiny),  # DeepSeek-OCR 2: DeepEncoder V2
+    "tiny-random-unlimited-ocr": (EncoderArgs.tiny, lambda: DecoderArgs.tiny(sliding_window=8)),  # R-SWA
 }
 
 
@@ -97,7 +89,8 @@ def resolve_checkpoint(checkpoint: str | None) -> tuple[str, str]:
     if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
         # Replicas on one node may race here: each writes its own copy, then renames it in.
         staging = tempfile.mkdtemp(prefix="tiny-", dir=os.path.dirname(directory))
-        vision, language = TINY_MODELS[name]()
+        vision, language = (make() for make in TINY_MODELS[name])
+        vision = dataclasses.replace(vision, n_embed=language.hidden)  # its tokens: the decoder's width
         write_random_model(staging, vision, language, seed=0, dtype=torch.float32)
         try:
             os.rename(staging, directory)

@@ -15,10 +15,10 @@ SERVE_LOGGER = "ray.serve"
 
 class ClientErrorsInOneLine(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if error is not None and isinstance(replica_error(error), CLIENT_ERRORS):
-            error = replica_error(error)
-            record.msg, record.args = "Request refused, the caller's to fix: %s: %s", (type(error).__name__, error)
+        error = replica_error(record.exc_info[1]) if record.exc_info else None
+        if isinstance(error, CLIENT_ERRORS):
+            record.msg = "Request refused, the caller's to fix: %s: %s"
+            record.args = (type(error).__name__, error)
             record.levelno, record.levelname = logging.WARNING, "WARNING"
             record.exc_info = record.exc_text = None
         return True
