@@ -27,7 +27,7 @@ def pytest_configure(config):
 # its module-scoped fixtures on one worker: a module; the modules on the shared app, which start
 # it once; one test, in modules whose tests share nothing (each starts its own cluster); and the
 # tests whose timing is their subject (autoscaling, node loss, rolling updates, probes answered
-# within a second), one after the other, never two of their clusters at once. Units go out
+# at once), one after the other, never two of their clusters at once. Units go out
 # longest first (SECONDS_ALONE: alone on 2 cores, 2026-12-06; unlisted ones are short), so no
 # long one starts last. (`UnitScheduling` hands them out: xdist's own `--dist loadgroup` cannot
 # group under pytest 9, whose node ids it can no longer suffix.)

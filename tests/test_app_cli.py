@@ -69,11 +69,14 @@ def interrupt(proc) -> tuple[object, float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("background_preload", ["0", "1"])
-def test_health_and_ready_answer_within_a_second_while_the_app_starts(tmp_path, background_preload):
-    """From the moment the port accepts, every probe is answered within a second: 503
-    "starting" (Serve's proxy, deployments/probes.py) until a Router is up, then the Router's
-    own answers, until /ready says ready. Started as the README starts a config file; with
-    the workers' preload before they take work (the default) and on a thread."""
+def test_health_and_ready_answer_at_once_while_the_app_starts(tmp_path, background_preload):
+    """From the moment the port accepts, every probe is answered at once, not held until the
+    app is up: 503 "starting" (Serve's proxy, deployments/probes.py) until a Router is up, then
+    the Router's own answers, until /ready says ready. "At once": each in under a fifth of the
+    start-up (a held probe waits for most of it; ~0.1 s each on 2 idle cores, a start-up of
+    15-20 s there; no fixed bound, since a second worker of the suite shares the cores).
+    Started as the README starts a config file; with the workers' preload before they take
+    work (the default) and on a thread."""
     proc, url, log = serve_run(tmp_path, "- {name: default, route_prefix: /, import_path: deployments.app:app}\n",
                                command=("deepseek-ocr", "serve"),
                                env_set={"DEEPSEEK_OCR_BACKGROUND_PRELOAD": background_preload})
@@ -88,6 +91,7 @@ def test_health_and_ready_answer_within_a_second_while_the_app_starts(tmp_path, 
                 break
             except OSError:
                 time.sleep(0.05)
+        accepting = time.monotonic()
         while not answers or answers[-1][:2] != ("/ready", 200):
             assert time.monotonic() < deadline, answers[-6:]
             for path in ("/health", "/ready"):
@@ -97,10 +101,11 @@ def test_health_and_ready_answer_within_a_second_while_the_app_starts(tmp_path, 
                         "application/json" else response.text[:40])  # Serve's own text: "not found"
                 answers.append((path, response.status_code, said, time.monotonic() - sent))
             time.sleep(0.1)
+        startup_s = time.monotonic() - accepting
     finally:
         interrupt(proc)
-    slow = [a for a in answers if a[3] > 1.0]
-    assert not slow, slow
+    held = [a for a in answers if a[3] > startup_s / 5]
+    assert not held, (held, startup_s)
     # Held probe calls finish in the proxy: none cancelled, so no RequestCancelledError tracebacks
     # in the log (one per probe of the start-up when they were cancelled).
     assert "RequestCancelledError" not in log.read_text()
