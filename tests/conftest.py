@@ -77,7 +77,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     on_app = {item.module.__name__ for item in items if "serve_app" in item.fixturenames}
-    assert on_app <= MODULES_ON_THE_SHARED_APP, f"add {on_app - MODULES_ON_THE_SHARED_APP} to MODULES_ON_THE_SHARED_APP"
+    missing = on_app - MODULES_ON_THE_SHARED_APP
+    assert not missing, f"add {missing} to MODULES_ON_THE_SHARED_APP (its tests would meet no app)"
     items.sort(key=lambda item: -SECONDS_ALONE.get(unit_of(item.nodeid), 0))  # stable: otherwise as collected
     if torch.cuda.is_available():
         return
@@ -181,8 +182,8 @@ SHARED_APP = SharedApp()
 def serve_app():
     """The app (tiny model, CPU, max_len 2048, max_images 8, max_pages 400) on a real Ray
     cluster, started once for every module that uses it (one unit of work: they run together,
-    see pytest_collection_modifyitems): a handle to its Router; HTTP on SERVE_URL. A module
-    that deploys another app beside it deletes that app when done."""
+    see `unit_of`): a handle to its Router; HTTP on SERVE_URL. A module that deploys another
+    app beside it deletes that app when done."""
     return SHARED_APP.start()
 
 
