@@ -78,7 +78,7 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items):
     on_app = {item.module.__name__ for item in items if "serve_app" in item.fixturenames}
     missing = on_app - MODULES_ON_THE_SHARED_APP
-    assert not missing, f"add {missing} to MODULES_ON_THE_SHARED_APP (its tests would meet no app)"
+    assert not missing, f"add {missing} to MODULES_ON_THE_SHARED_APP (one unit with the others, one app)"
     items.sort(key=lambda item: -SECONDS_ALONE.get(unit_of(item.nodeid), 0))  # stable: otherwise as collected
     if torch.cuda.is_available():
         return
