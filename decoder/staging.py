@@ -44,6 +44,11 @@ class StagedCopies:
         if not self.on or n > self.capacity:
             return to_device(torch.tensor(values, dtype=torch.long), self.device)
         if self.at + n > self.capacity:
+            # Copies of the lap before the one ending now (where it was not reached again): two
+            # laps back once this one starts. Then `reading` is the last lap's copies, in ring
+            # order, before this lap's, so its front is the next one a new slice may overlap.
+            while self.reading and self.reading[0][0] < self.lap:
+                self.reading.popleft()[2].synchronize()
             self.at, self.lap = 0, self.lap + 1
         start, end = self.at, self.at + n
         while self.reading and self.reading[0][0] < self.lap and self.reading[0][1] < end:

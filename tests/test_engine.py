@@ -592,6 +592,20 @@ def test_staged_copies_hand_back_what_was_staged_across_laps():
     assert staged(list(range(11))).tolist() == list(range(11))
 
 
+@pytest.mark.gpu
+def test_staged_copies_on_the_gpu_hold_their_values_across_laps():
+    """On CUDA each copy reads its slice of the pinned ring asynchronously: copies of uneven
+    sizes through a ring that wraps many times (slices of two laps back and of the last lap
+    both waited for before they are written again) arrive as written."""
+    from decoder.staging import StagedCopies
+    staged = StagedCopies("cuda", capacity=37)
+    gen = torch.Generator().manual_seed(0)
+    sent = [torch.randint(0, 1 << 40, (int(torch.randint(1, 20, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(300)]
+    copies = [staged(values) for values in sent]
+    assert staged.lap > 50 and [c.tolist() for c in copies] == sent
+
+
 def test_staged_copies_generate_what_a_tensor_per_copy_does(model, tokenizer, monkeypatch):
     """The small host lists of each step (n-gram bans, overlapped picks' row orders and held
     tokens) through one ring that wraps every few steps, against a tensor per copy (the twin,
