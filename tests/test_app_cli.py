@@ -1,6 +1,9 @@
-"""`serve run` of the app as a user runs it: start, POST an image, Ctrl-C mid-generation: it
-shuts down cleanly and soon; a config naming a DeepSeek-OCR and a DeepSeek-OCR-2 checkpoint
-serves both."""
+"""`deepseek-ocr serve` of a config, as the README starts one (`serve run` in the app's start-up
+environment), two ways, one app each: a config naming `deployments.app:app` (the workers' preload
+before they take work, the default), and one naming a DeepSeek-OCR and a DeepSeek-OCR-2
+checkpoint (the preload on a thread). While each starts, every probe is answered at once; once
+up, it serves its models; Ctrl-C mid-generation shuts it down cleanly and soon. (One start per
+way, its tests in order: a start costs 2 cores 20-40 s.)"""
 import base64
 import io
 import os
@@ -10,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 
 import pytest
 from PIL import Image
@@ -22,13 +26,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STOPS_WITHIN_S = 20  # measured ~8 s on 2 cores (Serve's own teardown ~4 of them); ~28 s before
 
 
-def serve_run(tmp_path, application: str, command=("serve", "run"), env_set: dict | None = None):
-    """`serve run` (or `command`: a console script and its arguments) of a config holding
-    `application` (YAML of one application, beside a free port) as a user runs it, with
-    `env_set` added to the environment: (the process, its URL, its log's path). An import path
-    always takes port 8000, which another copy of the suite may hold."""
-    serve_cli = [os.path.join(os.path.dirname(sys.executable), command[0]), *command[1:]]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | (env_set or {})
+def serve_run(tmp_path, application: str, env_set: dict) -> tuple:
+    """`deepseek-ocr serve` of a config holding `application` (YAML of one application, beside
+    a free port) as a user runs it, with `env_set` added to the environment: (the process, its
+    URL, its log's path). An import path always takes port 8000, which another copy of the
+    suite may hold."""
+    serve_cli = [os.path.join(os.path.dirname(sys.executable), "deepseek-ocr"), "serve"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | env_set
     port = free_port()
     config = tmp_path / "app.yaml"
     config.write_text(f"http_options: {{host: 127.0.0.1, port: {port}}}\napplications:\n{application}")
@@ -39,20 +43,6 @@ def serve_run(tmp_path, application: str, command=("serve", "run"), env_set: dic
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return proc, f"http://127.0.0.1:{port}", log
-
-
-def wait_until(proc, url: str, log, path: str = "/health", limit_s: float = 300) -> None:
-    """Poll `path` until it answers 200 (the app is up), failing with the log if it never does."""
-    deadline = time.time() + limit_s
-    while time.time() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if requests.get(f"{url}{path}", timeout=5).status_code == 200:
-                return
-        except requests.RequestException:  # not up yet
-            pass
-        time.sleep(2)
-    pytest.fail(f"serve run did not answer {path} in {limit_s} s")
 
 
 def interrupt(proc) -> tuple[object, float]:
@@ -67,53 +57,144 @@ def interrupt(proc) -> tuple[object, float]:
     return code, time.monotonic() - interrupted
 
 
+def page() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (1400, 700), (10, 200, 30)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def ocr2_tokens(png: bytes) -> int:
+    from encoder import DEEPSEEK_OCR_2, decode
+    return DEEPSEEK_OCR_2.count_tokens(decode(png, tiling=DEEPSEEK_OCR_2).grid)
+
+
+@dataclass
+class Start:
+    """A way of starting the app: the application's YAML, the environment added, and the models
+    it serves (id -> the page's image tokens, from the page)."""
+    application: str
+    env_set: dict
+    models: dict = field(default_factory=dict)
+
+
+STARTS = {
+    "one-model": Start("- {name: default, route_prefix: /, import_path: deployments.app:app}\n",
+                       {"DEEPSEEK_OCR_BACKGROUND_PRELOAD": "0"}, {"tiny-random": lambda png: 483}),
+    # DeepSeek-OCR 2's tiny random model by its name, as the README's command for it names it;
+    # one address, each model with its own tiling and tiers.
+    "two-models": Start((
+        "- name: ocr\n  route_prefix: /\n  import_path: deployments.app:build\n  args:\n"
+        "    models:\n    - {name: deepseek-ocr}\n"
+        "    - {name: deepseek-ocr-2, checkpoint: tiny-random-ocr2, one_encoder: true}\n"),
+        {"DEEPSEEK_OCR_BACKGROUND_PRELOAD": "1"}, {"deepseek-ocr": lambda png: 483, "deepseek-ocr-2": ocr2_tokens}),
+}
+
+
+@dataclass
+class Started:
+    start: Start
+    proc: subprocess.Popen
+    url: str
+    log: object
+    answers: list  # the probes while it started: (path, status, body's "status", seconds it took)
+    startup_s: float  # from the port accepting to /ready's 200
+
+
+def probe_until_ready(proc, url: str, log, limit_s: float = 300) -> tuple[list, float]:
+    """From the moment the port accepts, /health and /ready in turn every 0.1 s until /ready
+    answers 200: (every answer, seconds from accepting to ready)."""
+    port = int(url.rsplit(":", 1)[1])
+    answers = []
+    deadline = time.monotonic() + limit_s
+    while True:  # until the port accepts
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    accepting = time.monotonic()
+    while not answers or answers[-1][:2] != ("/ready", 200):
+        assert proc.poll() is None and time.monotonic() < deadline, (answers[-6:], log.read_text()[-3000:])
+        for path in ("/health", "/ready"):
+            sent = time.monotonic()
+            response = requests.get(url + path, timeout=30)
+            said = (response.json()["status"] if response.headers.get("content-type") ==
+                    "application/json" else response.text[:40])  # Serve's own text: "not found"
+            answers.append((path, response.status_code, said, time.monotonic() - sent))
+        time.sleep(0.1)
+    return answers, time.monotonic() - accepting
+
+
+@pytest.fixture(scope="module", params=list(STARTS))
+def started(request, tmp_path_factory):
+    """The app started the param's way, its start-up probed; Ctrl-C'd after the module's tests
+    (by the last of them, which times it)."""
+    start = STARTS[request.param]
+    proc, url, log = serve_run(tmp_path_factory.mktemp(request.param), start.application, start.env_set)
+    try:
+        answers, startup_s = probe_until_ready(proc, url, log)
+        yield Started(start, proc, url, log, answers, startup_s)
+    finally:
+        if proc.poll() is None:
+            interrupt(proc)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("background_preload", ["0", "1"])
-def test_health_and_ready_answer_at_once_while_the_app_starts(tmp_path, background_preload):
+def test_health_and_ready_answer_at_once_while_the_app_starts(started):
     """From the moment the port accepts, every probe is answered at once, not held until the
     app is up: 503 "starting" (Serve's proxy, deployments/probes.py) until a Router is up, then
     the Router's own answers, until /ready says ready. "At once": each in under a fifth of the
     start-up (a held probe waits for most of it; ~0.1 s each on 2 idle cores, a start-up of
-    15-20 s there; no fixed bound, since a second worker of the suite shares the cores).
-    Started as the README starts a config file; with the workers' preload before they take
-    work (the default) and on a thread."""
-    proc, url, log = serve_run(tmp_path, "- {name: default, route_prefix: /, import_path: deployments.app:app}\n",
-                               command=("deepseek-ocr", "serve"),
-                               env_set={"DEEPSEEK_OCR_BACKGROUND_PRELOAD": background_preload})
-    port = int(url.rsplit(":", 1)[1])
-    answers = []  # (path, status, body's "status", seconds it took)
-    try:
-        deadline = time.monotonic() + 300
-        while True:  # until the port accepts
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        accepting = time.monotonic()
-        while not answers or answers[-1][:2] != ("/ready", 200):
-            assert time.monotonic() < deadline, answers[-6:]
-            for path in ("/health", "/ready"):
-                sent = time.monotonic()
-                response = requests.get(url + path, timeout=30)
-                said = (response.json()["status"] if response.headers.get("content-type") ==
-                        "application/json" else response.text[:40])  # Serve's own text: "not found"
-                answers.append((path, response.status_code, said, time.monotonic() - sent))
-            time.sleep(0.1)
-        startup_s = time.monotonic() - accepting
-    finally:
-        interrupt(proc)
-    held = [a for a in answers if a[3] > startup_s / 5]
-    assert not held, (held, startup_s)
+    15-20 s there; no fixed bound, since a second worker of the suite shares the cores)."""
+    answers, log = started.answers, started.log.read_text()
+    held = [a for a in answers if a[3] > started.startup_s / 5]
+    assert not held, (held, started.startup_s)
     # Held probe calls finish in the proxy: none cancelled, so no RequestCancelledError tracebacks
     # in the log (one per probe of the start-up when they were cancelled).
-    assert "RequestCancelledError" not in log.read_text()
-    assert "preloading" not in log.read_text()  # no preload failed (deployments/preload.py)
+    assert "RequestCancelledError" not in log
+    assert "preloading" not in log  # no preload failed (deployments/preload.py)
     statuses = {a[:3] for a in answers}
     assert ("/health", 503, "starting") in statuses and ("/ready", 503, "starting") in statuses
     assert statuses <= {("/health", 503, "starting"), ("/ready", 503, "starting"),
                         ("/health", 200, "ok"), ("/ready", 503, "not ready"), ("/ready", 200, "ready")}
+
+
+@pytest.mark.slow
+def test_the_started_app_serves_its_models(started):
+    """/v1/models lists the config's models in order; a page to each is read with its own
+    tiling (its image tokens); the tiny random model says so."""
+    url, models = started.url, started.start.models
+    assert [m["id"] for m in requests.get(f"{url}/v1/models", timeout=30).json()["data"]] == list(models)
+    png = page()
+    for model, tokens in models.items():
+        response = requests.post(f"{url}/v1/ocr", timeout=300, json={
+            "image": base64.b64encode(png).decode(), "max_tokens": 4, "model": model})
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["model"] == model and body["usage"]["image_tokens"] == tokens(png)
+        assert body["usage"]["completion_tokens"] == 4 and "RANDOM" in body["warning"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_generation_stops_the_app_cleanly_and_soon(started):
+    """Ctrl-C while a generation of ~30 s on 2 cores runs: exit code 0, within STOPS_WITHIN_S
+    (the replicas' short graceful shutdown, deployments/config.py SHUTDOWN: seconds, not the ~30 s
+    Serve's default grace took with a generation running). The module's last test: it stops
+    the app."""
+    long = {"image": base64.b64encode(page()).decode(), "max_tokens": 4000, "ngram": {"enabled": False},
+            "model": next(iter(started.start.models))}
+
+    def generate():
+        try:
+            requests.post(f"{started.url}/v1/ocr", json=long, timeout=300)
+        except requests.RequestException:  # cut off by the shutdown: expected
+            pass
+    threading.Thread(target=generate, daemon=True).start()
+    time.sleep(3)
+    code, stopped_after = interrupt(started.proc)
+    assert code == 0, (code, started.log.read_text()[-3000:])
+    assert stopped_after < STOPS_WITHIN_S, f"Ctrl-C took {stopped_after:.1f} s"
 
 
 @pytest.mark.parametrize("background_preload", ["0", "1"])
@@ -149,68 +230,6 @@ def test_the_app_sets_the_start_up_environment_before_ray_starts():
                               f"for k in {sorted(STARTUP_ENVIRONMENT)!r}))"], cwd=ROOT, env=env,
                              capture_output=True, text=True, check=True).stdout.split()
     assert printed == [STARTUP_ENVIRONMENT[k] for k in sorted(STARTUP_ENVIRONMENT)]
-
-
-@pytest.mark.slow
-def test_serve_run_subprocess(tmp_path):
-    """`serve run` of the app (`deployments.app:app`, the README's command), through a config
-    that names it and a free port."""
-    proc, url, log = serve_run(tmp_path, "- {name: default, route_prefix: /, import_path: deployments.app:app}\n")
-    try:
-        wait_until(proc, url, log)
-        buf = io.BytesIO()
-        Image.new("RGB", (1400, 700), (10, 200, 30)).save(buf, "PNG")
-        response = requests.post(f"{url}/v1/ocr", timeout=300, json={
-            "image": base64.b64encode(buf.getvalue()).decode(), "max_tokens": 4})
-        assert response.status_code == 200, response.text
-        body = response.json()
-        assert body["usage"]["image_tokens"] == 483 and body["usage"]["completion_tokens"] == 4
-        assert body["model"] == "tiny-random" and "RANDOM" in body["warning"]
-        # A generation of ~30 s on 2 cores is running when Ctrl-C comes.
-        long = {"image": base64.b64encode(buf.getvalue()).decode(), "max_tokens": 4000,
-                "ngram": {"enabled": False}}
-
-        def generate():
-            try:
-                requests.post(f"{url}/v1/ocr", json=long, timeout=300)
-            except requests.RequestException:  # cut off by the shutdown: expected
-                pass
-        threading.Thread(target=generate, daemon=True).start()
-        time.sleep(3)
-    finally:
-        code, stopped_after = interrupt(proc)
-    assert code == 0, (code, log.read_text()[-3000:])
-    # The replicas' short graceful shutdown (deployments/config.py SHUTDOWN): seconds, not the
-    # ~30 s Serve's default grace took with a generation running.
-    assert stopped_after < STOPS_WITHIN_S, f"Ctrl-C took {stopped_after:.1f} s"
-
-
-@pytest.mark.slow
-def test_serve_run_of_a_config_naming_deepseek_ocr_and_deepseek_ocr_2(tmp_path):
-    """A config naming a DeepSeek-OCR checkpoint and a DeepSeek-OCR-2 one (`models`): `serve
-    run` serves both from one address, each with its own tiling and tiers (DeepSeek-OCR 2's
-    tiny random model by its name, as the README's command for it names it)."""
-    from encoder import DEEPSEEK_OCR_2, decode
-    proc, url, log = serve_run(tmp_path, (
-        "- name: ocr\n  route_prefix: /\n  import_path: deployments.app:build\n  args:\n"
-        "    models:\n    - {name: deepseek-ocr}\n"
-        "    - {name: deepseek-ocr-2, checkpoint: tiny-random-ocr2, one_encoder: true}\n"))
-    try:
-        wait_until(proc, url, log, "/ready")
-        assert [m["id"] for m in requests.get(f"{url}/v1/models", timeout=30).json()["data"]] == [
-            "deepseek-ocr", "deepseek-ocr-2"]
-        buf = io.BytesIO()
-        Image.new("RGB", (1400, 700), (10, 200, 30)).save(buf, "PNG")
-        tokens = {"deepseek-ocr": 483,
-                  "deepseek-ocr-2": DEEPSEEK_OCR_2.count_tokens(decode(buf.getvalue(), tiling=DEEPSEEK_OCR_2).grid)}
-        for model, expected in tokens.items():
-            response = requests.post(f"{url}/v1/ocr", timeout=300, json={
-                "image": base64.b64encode(buf.getvalue()).decode(), "max_tokens": 4, "model": model})
-            assert response.status_code == 200, response.text
-            assert response.json()["model"] == model and response.json()["usage"]["image_tokens"] == expected
-    finally:
-        code, _ = interrupt(proc)
-    assert code == 0, (code, log.read_text()[-3000:])
 
 
 def test_serve_run_of_a_missing_checkpoint_fails_with_one_clear_message(tmp_path):
