@@ -58,6 +58,15 @@ def unit_of(nodeid: str) -> str:
     return test if module in ONE_UNIT_PER_TEST else module
 
 
+if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
+    # One thread per worker process, and for what it starts (Ray's workers already take one):
+    # the workers fill the cores between them, and a second thread per process only spins in
+    # OpenMP's wait against the other worker (test_attention + test_unlimited_ocr_decoder alone:
+    # 106 CPU-seconds on two threads, 91 on one).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: WORKERS on CPUs; none with a GPU (its tests would share one card's memory)."""
     return 0 if torch.cuda.is_available() else WORKERS
