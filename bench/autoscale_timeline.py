@@ -128,7 +128,7 @@ TEXT_HEAVY = dict(name="text-heavy", images=1, image_size=(320, 240), mode="tiny
 FULL = Ramp(peak=10, ramp_s=20, tail_s=150,
             phases=(Phase(seconds=80, **IMAGE_HEAVY), Phase(seconds=80, **TEXT_HEAVY)))
 SHORT = Ramp(peak=10, ramp_s=6, tail_s=100,
-             phases=(Phase(seconds=25, **IMAGE_HEAVY), Phase(seconds=25, **TEXT_HEAVY)))
+             phases=(Phase(seconds=35, **IMAGE_HEAVY), Phase(seconds=35, **TEXT_HEAVY)))
 
 
 def serve_config(port: int, fixed_replicas: bool) -> dict:

@@ -2,7 +2,7 @@
 shorter ramp (image-heavy, then text-heavy) against the tiny model on Ray's fake multi-node
 autoscaler, deployed from deployments/configs/cpu-autoscaling.yaml, whose tiers ask for the
 same custom resources as gpu-separate.yaml (encoder_gpu / decoder_gpu) from node types that
-mirror cluster.yaml's groups. About 2 minutes on 2 cores; `-m 'not cluster'` leaves it out.
+mirror cluster.yaml's groups. About 3 minutes on 2 cores; `-m 'not cluster'` leaves it out.
 
 With autoscaling off (every tier at a fixed replica count) nothing scales and no node is added:
 these tests fail."""
