@@ -12,7 +12,6 @@ import os
 import time
 from collections.abc import AsyncIterator
 
-import ray
 import torch
 from ray import serve
 from ray.serve.exceptions import BackPressureError
@@ -23,7 +22,7 @@ from scheduler import DecoderAdmission
 
 from .config import PROBE_EVERY_S, SHUTDOWN, STUCK_AFTER_S, AppConfig
 from .metrics import decoder_metrics
-from .model_source import (device_and_dtype, gpu_memory_gb, is_tiny, prepare_replica_process,
+from .model_source import (device_and_dtype, gpu_ids, gpu_memory_gb, is_tiny, prepare_replica_process,
                            replica_id, resolve_checkpoint, start_cuda, startup_phases)
 
 
@@ -66,7 +65,7 @@ class DecoderServer:
     def stats(self) -> dict:
         engine = self.engine.engine
         return {"model": self.model_label, "replica": replica_id(), "pid": os.getpid(),
-                "gpu_ids": ray.get_gpu_ids(),
+                "gpu_ids": gpu_ids(),
                 "decode_graphs": engine.decode_graphs is not None,
                 "running": len(engine.running), "waiting": len(engine.waiting),
                 "preempted": len(engine.preempted), "preemptions": engine.preemptions,

@@ -35,7 +35,6 @@ from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import ray
 import torch
 from ray import serve
 
@@ -46,7 +45,7 @@ from scheduler import BatchQueue
 from .config import PROBE_EVERY_S, SHUTDOWN, STUCK_AFTER_S, AppConfig
 from .encoder_roles import ROLES
 from .metrics import encoder_metrics, medians
-from .model_source import (device_and_dtype, gpu_memory_gb, prepare_replica_process, replica_id,
+from .model_source import (device_and_dtype, gpu_ids, gpu_memory_gb, prepare_replica_process, replica_id,
                            resolve_checkpoint, start_cuda, startup_phases)
 from .protocol import to_host
 
@@ -272,7 +271,7 @@ class EncoderReplica:
 
     def stats(self) -> dict:
         return {"path": self.role.name, "model": self.model_label, "replica": replica_id(),
-                "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids(),
+                "pid": os.getpid(), "gpu_ids": gpu_ids(),
                 "requests_per_batch": dict(sorted(self.request_batches.items())),
                 "stages_p50_ms": self.stage_medians(),
                 **self.role.stats(self.engine.stats())}

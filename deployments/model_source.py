@@ -109,6 +109,14 @@ def replica_id() -> str | None:
         return None
 
 
+def gpu_ids() -> list:
+    """The GPUs Ray gave this replica; [] outside Ray. (`ray.get_gpu_ids()` itself starts a
+    local Ray cluster in a process that has none: a replica built in process, as tests and
+    benches build one, would leave a whole cluster idling beside it.)"""
+    import ray
+    return ray.get_gpu_ids() if ray.is_initialized() else []
+
+
 def device_and_dtype() -> tuple[str, torch.dtype]:
     if torch.cuda.is_available():
         return "cuda", torch.bfloat16
