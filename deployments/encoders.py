@@ -154,6 +154,14 @@ class EncoderReplica:
             image.views = await loop.run_in_executor(self.views_worker, self._views_of, sent)
         return image
 
+    def encode_now(self, sent: list[DecodedImage | torch.Tensor]) -> list[torch.Tensor]:
+        """A batch of images (decoded, or views), checked and encoded at once on this thread:
+        what the offline path's encoder stages (deployments/offline.py) call with a block of
+        rows; Serve's calls queue through `encode` instead."""
+        for one in sent:
+            self.role.check(one, self.engine.encoder.tiling)
+        return self._run_batch([QueuedImage(one) for one in sent])
+
     async def encode_batch(self, images: list[QueuedImage]) -> list[torch.Tensor]:
         return await asyncio.get_running_loop().run_in_executor(self.worker, self._run_batch, images)
 

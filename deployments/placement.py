@@ -199,6 +199,40 @@ class WholeImages:
             await self.replica.check_health()
 
 
+@dataclass
+class EncodedImage:
+    """An image encoded before it reached the pipeline (the offline path's encoder stages,
+    deployments/offline.py): its whole sequence [num_tokens, D] and the size it was read at."""
+
+    sequence: torch.Tensor
+    original_size: tuple[int, int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.sequence.shape[0]
+
+
+class Encoded:
+    """Images already encoded (`EncodedImage`): `prepare` takes each as it is (its views were
+    made with the request's mode and max_crops where it was encoded), `encode` hands back its
+    sequence."""
+
+    def __init__(self, tiling: Tiling):
+        self.tiling = tiling
+
+    def prepare(self, image: EncodedImage, mode: str, max_crops: int) -> EncodedImage:
+        return image
+
+    async def encode(self, item: EncodedImage) -> tuple[torch.Tensor, dict]:
+        return item.sequence, {"preprocess_ms": 0.0, "encode_ms": 0.0, "assemble_ms": 0.0}
+
+    def stats(self) -> dict:
+        return {}
+
+    async def check_health(self) -> None:
+        """Nothing here to fail."""
+
+
 def encoder_strategy(global_encoder, local_encoder, tiling: Tiling, sequence: Callable,
                      config: AppConfig):
     """The placement the app was built with: both handles (two path deployments), the global
@@ -235,6 +269,17 @@ class DecoderClient:
                 stream.cancel()
 
 
+class InProcessDecoder:
+    """The Decoder's class in this process (`DecoderServer.func_or_class(config)`: the offline
+    path's decoder stage), as the pipeline calls it: a whole generation."""
+
+    def __init__(self, server):
+        self.server = server
+
+    async def generate(self, ids: list[int], seqs: list[torch.Tensor], params) -> dict:
+        return await self.server.generate(ids, seqs, params)
+
+
 @dataclass
 class ModelTiers:
     """One served model's deployments, as the app was built: its handles (None where its
@@ -254,12 +299,18 @@ class ModelTiers:
 
 def model_pipeline(tiers: ModelTiers) -> OcrPipeline:
     """The pipeline of one served model: its encoder strategy (from the handles it was built
-    with), its decoder client, tokenizer and context, and what every answer says of it."""
+    with) and its decoder client."""
     config = tiers.model.config
-    directory, model_label = resolve_checkpoint(config.checkpoint)
+    directory, _ = resolve_checkpoint(config.checkpoint)
     encoder = encoder_strategy(tiers.global_encoder, tiers.local_encoder,
                                *load_sequence_layout(directory), config)
-    decoder = tiers.decoder
+    return pipeline_of(config, encoder, DecoderClient(tiers.decoder) if tiers.decoder else None)
+
+
+def pipeline_of(config: AppConfig, encoder, decoder) -> OcrPipeline:
+    """A model's pipeline over this encoder strategy and decoder client, with the model's
+    tokenizer and context, and what every answer says of it."""
+    directory, model_label = resolve_checkpoint(config.checkpoint)
     # Encode-only apps need no tokenizer (and their checkpoints may carry none), and have no
     # language model to bound prompts or choose the n-gram rule (an encoder-only checkpoint
     # has no language config).
@@ -269,5 +320,4 @@ def model_pipeline(tiers: ModelTiers) -> OcrPipeline:
     # warning in its own field.
     model_fields = {"model": config.served_model_name or model_label,
                     **({"warning": TINY_WARNING} if is_tiny(config.checkpoint) else {})}
-    return OcrPipeline(encoder, DecoderClient(decoder) if decoder else None, tokenizer, language,
-                       config, model_fields)
+    return OcrPipeline(encoder, decoder, tokenizer, language, config, model_fields)

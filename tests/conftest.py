@@ -35,7 +35,7 @@ WORKERS = 2  # 2 cores: more workers only slowed each other's clusters (docs/tes
 ON_THE_SHARED_APP = "on-the-shared-app"
 MODULES_ON_THE_SHARED_APP = {  # the modules using `serve_app` (checked at collection)
     "tests.test_admission", "tests.test_bad_inputs", "tests.test_documents_api", "tests.test_models",
-    "tests.test_openai_api", "tests.test_operations", "tests.test_serve"}
+    "tests.test_offline", "tests.test_openai_api", "tests.test_operations", "tests.test_serve"}
 ONE_UNIT_PER_TEST = ("tests.test_bench_scripts",)
 TIMED_CLUSTERS = "timed-clusters"
 IN_TIMED_CLUSTERS = ("tests.test_autoscaling_cluster", "tests.test_cluster_operations", "tests.test_app_cli",
