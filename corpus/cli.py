@@ -1,6 +1,8 @@
 """`deepseek-ocr run INPUTS... --out DIR`: OCR files and folders through a running app.
 `deepseek-ocr serve CONFIG_OR_IMPORT_PATH [ARGS...]`: start the app (`serve run` in the app's
 start-up environment: `python -m deployments`, which this command hands over to).
+`deepseek-ocr batch INPUT... --out DIR [OPTIONS]`: OCR a corpus offline on a Ray cluster, no
+server (Ray Data: `python -m deployments.offline_run`, which this command hands over to).
 
 Exit codes: 0 every document done; 1 some failed (listed at the end; a rerun retries them);
 2 a usage error: bad arguments, no inputs, the server unreachable at the start, a refused key.
@@ -69,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "Ray cluster needs from its start (preloaded modules; /health and /ready "
                     "answered while the app starts), which a config file cannot set itself")
     serve.add_argument("serve_args", nargs=argparse.REMAINDER, metavar="CONFIG_OR_IMPORT_PATH [ARGS...]")
+    batch = commands.add_parser(
+        "batch", help="OCR a corpus offline on a Ray cluster (Ray Data), no server", add_help=False,
+        description="`python -m deployments.offline_run INPUT... --out DIR [OPTIONS]` (its --help)")
+    batch.add_argument("batch_args", nargs=argparse.REMAINDER, metavar="INPUT... --out DIR [OPTIONS]")
     return parser
 
 
@@ -79,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     if args.command == "serve":  # the app's own launcher takes over this process
         os.execv(sys.executable, [sys.executable, "-m", "deployments", *args.serve_args])
+    if args.command == "batch":  # the offline run (torch, Ray Data) takes over this process
+        os.execv(sys.executable, [sys.executable, "-m", "deployments.offline_run", *args.batch_args])
     try:
         return run_command(args)
     except UsageError as e:

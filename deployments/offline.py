@@ -5,20 +5,23 @@ pipeline of Ray Data operators, each running the code its deployment runs.
   views      decode and views on CPU tasks (`encoder.preprocess`, the Router's PIL path);
   global     the global views through `EncoderReplica("global")` in an actor pool (GPU);
   local      the crops through `EncoderReplica("local")` in an actor pool (GPU);
-  assemble   each page's sequence (the checkpoint's layout: grid, newlines, global, separator);
+  assemble   each page's sequence (the checkpoint's layout: grid, newlines, global, separator),
+             on CPU tasks;
   decode     the Decoder's class (`DecoderServer`) in an async actor pool: its continuous
              batching engine with many pages in flight per actor, each page through the
              request path's own pipeline (`OcrPipeline.ocr`: prompt, context check, n-gram
              rule, markdown / blocks), its encoder strategy `Encoded` (encoded upstream).
 
 `ocr_dataset(ds, ...)` takes any dataset with a `bytes` column (and `path`, kept as `source`)
-and returns one row per page: {source, page, text (markdown with output_format "markdown"),
-finish_reason, prompt_tokens, image_tokens, completion_tokens, error}. A page that cannot be read is a row with `error`
+and returns one row per page: {source, content_sha256 (the file's), page, text (markdown with
+output_format "markdown"), finish_reason, prompt_tokens, image_tokens, completion_tokens, error}. A page that cannot be read is a row with `error`
 (the job goes on). Greedy outputs equal the service's for the same pages and options.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,11 +61,12 @@ class Stages:
 
 
 def ocr_dataset(ds, checkpoint: str | None = None, *, config: AppConfig | None = None,
-                stages: Stages = Stages(), **options):
+                stages: Stages = Stages(), skip: frozenset = frozenset(), **options):
     """`ds` (a `bytes` column, and `path` if it has one) OCR'd page by page: a lazy Ray
     Dataset of result rows (module docstring). `options`: the request's (`OcrOptions`: mode,
     max_crops, prompt, prompt_preset, output_format text or markdown, max_tokens, ngram, dpi),
-    checked now: a bad one raises `BadRequest` naming it before any work."""
+    checked now: a bad one raises `BadRequest` naming it before any work. `skip`: pages done
+    before, (content_sha256, page), left out."""
     config = config or AppConfig(checkpoint=checkpoint)
     opts = validate(OcrOptions, options, strict=False)
     if opts.output_format == "blocks" or opts.return_crops or opts.stream or opts.page_range:
@@ -76,33 +80,45 @@ def ocr_dataset(ds, checkpoint: str | None = None, *, config: AppConfig | None =
     # In a pool's actors each batch's pages are in flight together; the Decoder admits a full
     # batch plus its queue, over which Ray Data runs up to 4 batches per actor at once.
     decode_batch = max(1, (config.max_batch + config.decoder_queue) // 4)
-    return (ds.flat_map(pages_of, fn_kwargs={"dpi": opts.dpi, "max_pages": config.max_pages})
+    return (ds.flat_map(pages_of, fn_kwargs={"dpi": opts.dpi, "max_pages": config.max_pages,
+                                             "skip": frozenset(skip)})
             .map_batches(views_of, fn_kwargs={"checkpoint": config.checkpoint, "mode": opts.mode,
                                               "max_crops": opts.max_crops}, batch_size=4)
             .map_batches(PathStage, fn_constructor_args=("global", config), concurrency=stages.encoders,
                          num_gpus=stages.encoder_gpus, num_cpus=stages.actor_cpus, batch_size=stages.encoder_batch)
             .map_batches(PathStage, fn_constructor_args=("local", config), concurrency=stages.encoders,
                          num_gpus=stages.encoder_gpus, num_cpus=stages.actor_cpus, batch_size=stages.encoder_batch)
-            .map_batches(Assemble, fn_constructor_args=(config,), concurrency=1, num_cpus=stages.actor_cpus,
-                         batch_size=stages.encoder_batch)
+            .map_batches(assemble, fn_kwargs={"checkpoint": config.checkpoint}, batch_size=stages.encoder_batch)
             .map_batches(Decode, fn_constructor_args=(config, opts), concurrency=stages.decoders,
                          num_gpus=stages.decoder_gpus, num_cpus=stages.actor_cpus, batch_size=decode_batch))
 
 
-def pages_of(row: dict, dpi: int, max_pages: int) -> list[dict]:
-    """An image's row, or a PDF's rows: each page rendered (RGB pixels), one at a time as the
-    rows are taken; a PDF that cannot be opened is one row with its error."""
-    source = row.get("path") or ""
+def pages_of(row: dict, dpi: int, max_pages: int, skip: frozenset = frozenset()) -> Iterator[dict]:
+    """An image's row, or a PDF's rows: each page rendered (RGB pixels) as its row is taken, so
+    a long PDF is never in memory whole; a PDF that cannot be opened is one row with its error.
+    Each row names its file's content (`content_sha256`); the pages in `skip` ((content, page):
+    done before) are left out unrendered."""
     data = row["bytes"]
-    if not bytes(data[:len(PDF_MAGIC)]) == PDF_MAGIC:
-        return [{"source": source, "page": 0, "bytes": data, "pixels": NO_VIEW, "error": ""}]
+    base = {"source": row.get("path") or "", "content_sha256": hashlib.sha256(data).hexdigest()}
+    if bytes(data[:len(PDF_MAGIC)]) != PDF_MAGIC:
+        if (base["content_sha256"], 0) not in skip:
+            yield {**base, "page": 0, "bytes": data, "pixels": NO_VIEW, "error": ""}
+        return
     try:
-        with PdfDocument(bytes(data), max_pages) as pdf:
-            return [{"source": source, "page": index, "bytes": b"",
-                     "pixels": np.asarray(pdf.render(index, dpi)), "error": ""}
-                    for index in range(pdf.page_count)]
+        pdf = PdfDocument(bytes(data), max_pages)
     except DocumentError as e:
-        return [{"source": source, "page": 0, "bytes": b"", "pixels": NO_VIEW, "error": f"document: {e}"}]
+        if (base["content_sha256"], 0) not in skip:
+            yield {**base, "page": 0, "bytes": b"", "pixels": NO_VIEW, "error": f"document: {e}"}
+        return
+    with pdf:
+        for index in range(pdf.page_count):
+            if (base["content_sha256"], index) in skip:
+                continue
+            try:
+                pixels, error = np.asarray(pdf.render(index, dpi)), ""
+            except DocumentError as e:  # this page alone
+                pixels, error = NO_VIEW, f"page: {e}"
+            yield {**base, "page": index, "bytes": b"", "pixels": pixels, "error": error}
 
 
 def views_of(batch: dict, checkpoint: str | None, mode: str, max_crops: int) -> dict:
@@ -128,7 +144,7 @@ def views_of(batch: dict, checkpoint: str | None, mode: str, max_crops: int) -> 
         out["original_size"].append(item.original_size)
         out["num_tokens"].append(item.num_tokens)
         out["error"].append("")  # (not None: a column of Nones is read back as NaNs)
-    keep = {key: batch[key] for key in ("source", "page")}
+    keep = {key: batch[key] for key in ("source", "content_sha256", "page")}
     return {**keep, **{key: (np.array(values) if key in ("grid", "original_size", "num_tokens") else values)
                        for key, values in out.items()}}
 
@@ -158,24 +174,20 @@ class PathStage:
         return batch
 
 
-class Assemble:
+def assemble(batch: dict, checkpoint: str | None) -> dict:
     """Each page's sequence from its paths' tokens, in the checkpoint's layout (the Router's
-    `PathEncoders` assembles with the same `sequence`)."""
-
-    def __init__(self, config: AppConfig):
-        _, self.sequence = load_sequence_layout(resolve_checkpoint(config.checkpoint)[0])
-
-    def __call__(self, batch: dict) -> dict:
-        sequences = []
-        for global_tokens, crop_tokens, grid, error in zip(batch.pop("global_tokens"), batch.pop("local_tokens"),
-                                                           batch["grid"], batch["error"]):
-            if error:
-                sequences.append(NO_TOKENS["sequence"])
-                continue
-            crops = tensor(crop_tokens) if crop_tokens.size else None
-            sequences.append(self.sequence(tensor(global_tokens), crops, tuple(grid)).numpy())
-        batch["sequence"] = sequences
-        return batch
+    `PathEncoders` assembles with the same `sequence`); CPU tasks."""
+    _, sequence = load_sequence_layout(resolve_checkpoint(checkpoint)[0])
+    sequences = []
+    for global_tokens, crop_tokens, grid, error in zip(batch.pop("global_tokens"), batch.pop("local_tokens"),
+                                                       batch["grid"], batch["error"]):
+        if error:
+            sequences.append(NO_TOKENS["sequence"])
+            continue
+        crops = tensor(crop_tokens) if crop_tokens.size else None
+        sequences.append(sequence(tensor(global_tokens), crops, tuple(grid)).numpy())
+    batch["sequence"] = sequences
+    return batch
 
 
 class Decode:
@@ -206,5 +218,5 @@ class Decode:
         answers = await asyncio.gather(*(one(*row) for row in zip(
             batch["sequence"], batch["original_size"], batch["page"], batch["error"])))
         columns = ("text", "finish_reason", "prompt_tokens", "image_tokens", "completion_tokens", "error")
-        return {"source": batch["source"], "page": batch["page"],
+        return {"source": batch["source"], "content_sha256": batch["content_sha256"], "page": batch["page"],
                 **{key: [answer.get(key) for answer in answers] for key in columns}}
