@@ -7,7 +7,8 @@ storage by URI (`s3://bucket/prefix`, any filesystem pyarrow opens), all on one 
 A rerun into the same `--out` skips every page already written with the same options (its
 file's content hash, page and options' hash): a run killed midway is finished by running it
 again, no page twice. A file of an interrupted run that cannot be read whole is removed first
-(its pages are done again).
+(its pages are done again): one run at a time into a folder (a file another run is still
+writing would look interrupted).
 """
 from __future__ import annotations
 
