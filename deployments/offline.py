@@ -20,6 +20,7 @@ output_format "markdown"), finish_reason, prompt_tokens, image_tokens, completio
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,6 +45,13 @@ NO_TOKENS = {"global": np.zeros((0, 0), np.float32), "local": np.zeros((0, 0, 0)
              "sequence": np.zeros((0, 0), np.float32)}  # a path's tokens where it has none
 # Between stages a page's `error` is "" when it has none (a column of Nones would come back as
 # NaNs); the result rows say None.
+
+
+@functools.lru_cache(maxsize=8)
+def sequence_layout(checkpoint: str | None) -> tuple:
+    """The checkpoint's tiling and token layout (`load_sequence_layout`), read once per process:
+    the CPU tasks' workers are reused batch after batch."""
+    return load_sequence_layout(resolve_checkpoint(checkpoint)[0])
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,7 @@ def ocr_dataset(ds, checkpoint: str | None = None, *, config: AppConfig | None =
     if opts.output_format == "blocks" or opts.return_crops or opts.stream or opts.page_range:
         raise BadRequest("offline OCR writes text or markdown rows: output_format 'blocks', "
                          "return_crops, stream and page_range are the service's", "output_format")
-    tiling, _ = load_sequence_layout(resolve_checkpoint(config.checkpoint)[0])
+    tiling, _ = sequence_layout(config.checkpoint)
     try:
         tiling.check(opts.mode, opts.max_crops)
     except ImageError as e:
@@ -124,7 +132,7 @@ def pages_of(row: dict, dpi: int, max_pages: int, skip: frozenset = frozenset())
 def views_of(batch: dict, checkpoint: str | None, mode: str, max_crops: int) -> dict:
     """Each page decoded and its views made with PIL (uint8: the global view [3, S, S], the
     crops [P, 3, C, C]), its grid and size; a page that cannot be read keeps its error."""
-    tiling, _ = load_sequence_layout(resolve_checkpoint(checkpoint)[0])
+    tiling, _ = sequence_layout(checkpoint)
     out = {key: [] for key in ("global_view", "crops", "grid", "original_size", "num_tokens", "error")}
     for data, pixels, error in zip(batch["bytes"], batch["pixels"], batch["error"]):
         image = Image.fromarray(pixels) if pixels.size else bytes(data)
@@ -177,7 +185,7 @@ class PathStage:
 def assemble(batch: dict, checkpoint: str | None) -> dict:
     """Each page's sequence from its paths' tokens, in the checkpoint's layout (the Router's
     `PathEncoders` assembles with the same `sequence`); CPU tasks."""
-    _, sequence = load_sequence_layout(resolve_checkpoint(checkpoint)[0])
+    _, sequence = sequence_layout(checkpoint)
     sequences = []
     for global_tokens, crop_tokens, grid, error in zip(batch.pop("global_tokens"), batch.pop("local_tokens"),
                                                        batch["grid"], batch["error"]):
@@ -197,7 +205,7 @@ class Decode:
     def __init__(self, config: AppConfig, options: OcrOptions):
         from .decoder_server import DecoderServer
         from .placement import Encoded, InProcessDecoder, pipeline_of
-        tiling, _ = load_sequence_layout(resolve_checkpoint(config.checkpoint)[0])
+        tiling, _ = sequence_layout(config.checkpoint)
         self.server = DecoderServer.func_or_class(config)
         self.pipeline = pipeline_of(config, Encoded(tiling), InProcessDecoder(self.server))
         self.options = options

@@ -167,7 +167,7 @@ class SharedApp:
 
             from deployments.app import build
             from deployments.config import AppConfig
-            if ray.is_initialized():  # started implicitly by an earlier module's in-process
+            if ray.is_initialized():  # started earlier in this worker by another module,
                 ray.shutdown()        # replica, without this cluster's metrics port
             ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=METRICS_PORT)
             serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})

@@ -68,9 +68,14 @@ def test_bad_options_are_refused_before_any_work(options, param):
 
 def read_rows(out) -> list[dict]:
     """Every row written under `out` (all runs), sorted by file content and page."""
+    return rows_of(out.rglob("*"))
+
+
+def rows_of(paths) -> list[dict]:
+    """The rows of these files (Parquet or JSONL; others skipped), sorted by content and page."""
     from deployments.offline_run import FORMATS
     rows = []
-    for path in sorted(out.rglob("*")):
+    for path in sorted(paths):
         if path.suffix == FORMATS["parquet"]:
             import pyarrow.parquet as pq
             rows += pq.read_table(path).to_pylist()
@@ -115,7 +120,7 @@ def test_the_batch_command_then_reruns_redo_only_what_was_cut_off_and_what_is_ne
     assert first["completion_tokens"] == 16
     uninterrupted = read_rows(out)
     cut = max(out.rglob("*.parquet"), key=lambda path: path.stat().st_size)
-    cut_rows = len(uninterrupted) - len(read_rows_without(out, cut))
+    cut_rows = len(rows_of([cut]))
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
     redone = run([str(inputs)], str(out), "jsonl", **options)
     assert not cut.exists() and (redone["pages"], redone["pages_done_before"]) == (cut_rows, 5 - cut_rows)
@@ -126,12 +131,3 @@ def test_the_batch_command_then_reruns_redo_only_what_was_cut_off_and_what_is_ne
     assert len(read_rows(out)) == 6 and "c.png" in {r["source"].rsplit("/", 1)[1] for r in read_rows(out)}
     refused = batch_command(str(inputs), "--out", str(out), "--mode", "huge", timeout=120)
     assert refused.returncode == 2 and "mode" in refused.stderr
-
-
-def read_rows_without(out, left_out) -> list[dict]:
-    moved = left_out.with_suffix(".aside")
-    left_out.rename(moved)
-    try:
-        return read_rows(out)
-    finally:
-        moved.rename(left_out)
