@@ -168,7 +168,7 @@ class SharedApp:
             from deployments.app import build
             from deployments.config import AppConfig
             if ray.is_initialized():  # started earlier in this worker by another module,
-                ray.shutdown()        # replica, without this cluster's metrics port
+                ray.shutdown()        # without this cluster's metrics port
             ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=METRICS_PORT)
             serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
             self.handle = serve.run(build(AppConfig(max_len=2048, max_images=8, max_pages=400)),
