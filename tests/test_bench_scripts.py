@@ -267,27 +267,32 @@ def test_fp8_kv_cache_variant_and_its_logit_error(monkeypatch):
 
 
 def test_side_by_side_reads_one_machine_s_runs_and_refuses_mixed_ones():
-    """bench/side_by_side.py: the issue's summary from three results of one card and one code
-    (each figure its bench's median), and a refusal naming what differs otherwise."""
+    """bench/side_by_side.py: the issue's summary from results of one card and one code (each
+    figure the median of its runs, a service's runs pooled over its JSONs), and a refusal naming
+    what differs otherwise."""
     from bench import side_by_side as sbs
     code, card = {"python_sources_sha256": "abc"}, "NVIDIA H100 80GB HBM3"
 
-    def service(tokens_c256: float) -> dict:
-        return {"setup": {"gpus": [card]}, "code": code, "concurrency": {"256": {"tokens_per_s": tokens_c256}},
-                "summary": {"repetitions": 3, "one_page_streamed_total_s": 0.5}}
+    def service(*tokens_c256: float, one_page_s: float = 0.5) -> dict:
+        return {"setup": {"gpus": [card]}, "code": code,
+                "reps": [{"levels": {"256": {"tokens_per_s": tokens}}} for tokens in tokens_c256],
+                "summary": {"repetitions": len(tokens_c256), "one_page_streamed_total_s": one_page_s}}
     runs = {"256": {"repeats_tokens_per_s": [19000.0, 20000.0, 21000.0]},
             "one_page": {"decode_fraction_of_bound": 0.3}}
     decoder = {"device": card, "code": code, "workload": {"seed": 0}, "variants": {"decode_graphs": runs},
                "summary": {"variant": "decode_graphs", "tokens_per_s_c256": 20000.0, "fraction_of_bound_c64": 0.8,
                            "fraction_of_bound_c256": 0.9, "one_page_s": 0.45}}
-    summary = sbs.side_by_side(service(17000.0), service(16150.0), decoder)["summary"]
+    two_calls = [service(17000.0), service(16000.0, 18000.0, one_page_s=0.6)]  # median 17,000
+    summary = sbs.side_by_side(two_calls, [service(16150.0)], decoder)["summary"]
     assert summary["gpu"] == card and summary["service_to_inprocess_c256"] == pytest.approx(0.85)
+    assert summary["runs"]["service_c256"] == [17000.0, 16000.0, 18000.0]
     assert summary["ocr2_to_ocr1_c256"] == pytest.approx(0.95) and summary["b1_fraction_of_bound"] == 0.3
+    assert summary["one_page_s"] == pytest.approx(0.55)  # the median of the two JSONs' figures
     assert summary["met"] == {"service_to_inprocess_c256": True, "fraction_of_bound_c64": False,
                               "fraction_of_bound_c256": True, "b1_fraction_of_bound": False,
-                              "ocr2_to_ocr1_c256": True, "one_page_s": False}  # 0.5 s > the H100's 0.45
-    assert summary["repetitions"] == {"service": 3, "service_ocr2": 3, "decoder": 3}
+                              "ocr2_to_ocr1_c256": True, "one_page_s": False}  # 0.55 s > the H100's 0.45
+    assert summary["repetitions"] == {"service": 3, "service_ocr2": 1, "decoder": 3}
     with pytest.raises(ValueError, match="different cards"):
-        sbs.side_by_side(service(1.0), service(1.0), {**decoder, "device": "NVIDIA H200"})
+        sbs.side_by_side([service(1.0)], [service(1.0)], {**decoder, "device": "NVIDIA H200"})
     with pytest.raises(ValueError, match="different code"):
-        sbs.side_by_side(service(1.0), service(1.0), {**decoder, "code": {"python_sources_sha256": "def"}})
+        sbs.side_by_side([service(1.0)], [service(1.0)], {**decoder, "code": {"python_sources_sha256": "def"}})
