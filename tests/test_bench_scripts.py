@@ -264,6 +264,12 @@ def test_fp8_kv_cache_variant_and_its_logit_error(monkeypatch):
     error = decoder_bench.fp8_kv_logit_error(model, torch.randn(70, model.args.hidden), steps=8)
     assert error["steps"] == 8 and error["prompt_tokens"] == 70
     assert 0 < error["rel_err_median"] <= error["rel_err_max"] < 0.5 and 0 <= error["greedy_agreement"] <= 1
+    assert error["compared"] == 9 and error["greedy_agreement"] == error["agreed"] / 9  # the prefill's pick too
+    pooled = decoder_bench.fp8_kv_agreement(model, [torch.randn(40, model.args.hidden), torch.randn(70, model.args.hidden)],
+                                            tokens=7)
+    assert pooled["contexts"] == 2 and pooled["generated_tokens"] == 8  # 4 steps each
+    assert [r["prompt_tokens"] for r in pooled["per_context"]] == [40, 70]
+    assert pooled["greedy_agreement"] == sum(r["agreed"] for r in pooled["per_context"]) / 10
 
 
 def test_side_by_side_reads_one_machine_s_runs_and_refuses_mixed_ones():
