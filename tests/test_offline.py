@@ -1,7 +1,8 @@
-"""Offline OCR on Ray Data (deployments/offline.py) against the running service, on the shared
-app's cluster: the same pages and options give the same greedy text, finish reason and usage;
-a PDF's pages each the service's page; a file that cannot be read is a row with its error; the
-batch command's runs (deployments/offline_run.py) resume where the last one stopped."""
+"""Offline OCR on Ray Data (deployments/offline.py, through the batch command of
+deployments/offline_run.py) against the running service, on the shared app's cluster: the same
+pages and options give the same greedy text, finish reason and usage; a PDF's pages each the
+service's page; a file that cannot be read is a row with its error; a run resumes where the last
+one stopped."""
 import base64
 import io
 import json
@@ -27,35 +28,6 @@ def noise_png(size: tuple[int, int], seed: int) -> bytes:
     return buffer.getvalue()
 
 
-def by_source(rows: list[dict]) -> dict:
-    return {(row["source"], row["page"]): row for row in rows}
-
-
-def test_pages_read_offline_equal_the_service_s_answers(serve_app):
-    """A tiled page, an untiled one, a PDF's two pages (each rendered as the service renders
-    it) and a file that is no image, in one run: each page's answer equals the service's (text,
-    finish reason, usage), the file that cannot be read is a row with its error."""
-    files = {"wide.png": noise_png((1400, 700), 1), "square.png": noise_png((448, 448), 2),
-             "two.pdf": make_pdf(2, size=(400, 600)), "broken.png": b"not an image"}
-    options = {"max_tokens": 6, "prompt": "<image>\nFree OCR."}
-    rows = by_source(ocr_dataset(ray.data.from_items([{"path": p, "bytes": b} for p, b in files.items()]),
-                                 **options).take_all())
-    assert set(rows) == {(name, 0) for name in files} | {("two.pdf", 1)}
-
-    def service(field: str, data: bytes) -> dict:
-        return requests.post(f"{SERVE_URL}/v1/ocr", timeout=300, json={
-            field: base64.b64encode(data).decode(), **options}).json()
-    served = {(name, 0): service("image", files[name]) for name in ("wide.png", "square.png")}
-    served |= {("two.pdf", page["index"]): page for page in service("document", files["two.pdf"])["pages"]}
-    for key, answer in served.items():
-        row = rows[key]
-        assert row["error"] is None and row["text"] == answer["text"], (row, answer)
-        assert row["finish_reason"] == answer["finish_reason"]
-        assert {k: row[k] for k in answer["usage"]} == answer["usage"]
-    broken = rows[("broken.png", 0)]
-    assert broken["text"] is None and broken["error"].startswith("image: cannot decode image")
-
-
 @pytest.mark.parametrize("options, param", [({"max_crops": 99}, "max_crops"), ({"max_tokens": 0}, "max_tokens"),
                                              ({"output_format": "blocks"}, "output_format"),
                                              ({"mode": "huge"}, "mode"), ({"colour": "red"}, "colour")])
@@ -66,13 +38,17 @@ def test_bad_options_are_refused_before_any_work(options, param):
     assert refused.value.param == param
 
 
-def read_rows(out) -> list[dict]:
+KEEP = ("source", "content_sha256", "page", "text", "finish_reason", "completion_tokens", "error")
+
+
+def read_rows(out, keep=KEEP) -> list[dict]:
     """Every row written under `out` (all runs), sorted by file content and page."""
-    return rows_of(out.rglob("*"))
+    return rows_of(out.rglob("*"), keep)
 
 
-def rows_of(paths) -> list[dict]:
-    """The rows of these files (Parquet or JSONL; others skipped), sorted by content and page."""
+def rows_of(paths, keep=KEEP) -> list[dict]:
+    """The rows of these files (Parquet or JSONL; others skipped), sorted by content and page;
+    their `keep` columns (None: all)."""
     from deployments.offline_run import FORMATS
     rows = []
     for path in sorted(paths):
@@ -81,8 +57,8 @@ def rows_of(paths) -> list[dict]:
             rows += pq.read_table(path).to_pylist()
         elif path.suffix == FORMATS["jsonl"]:
             rows += [json.loads(line) for line in path.read_text().splitlines()]
-    keep = ("source", "content_sha256", "page", "text", "finish_reason", "completion_tokens", "error")
-    return sorted(({k: row[k] for k in keep} for row in rows), key=lambda r: (r["content_sha256"], r["page"]))
+    rows = [row if keep is None else {k: row[k] for k in keep} for row in rows]
+    return sorted(rows, key=lambda r: (r["content_sha256"], r["page"]))
 
 
 def batch_command(*arguments: str, timeout: int = 600):
@@ -96,38 +72,60 @@ def batch_command(*arguments: str, timeout: int = 600):
     return subprocess.run([command, "batch", *arguments], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_the_batch_command_then_reruns_redo_only_what_was_cut_off_and_what_is_new(serve_app, tmp_path):
-    """`deepseek-ocr batch` into a folder (Parquet, its default): a row per page (a PDF's two
-    pages, two images, an error row for a file that is no image), its summary printed. A file
-    then cut off mid-write (as by a run killed while writing) is removed by the next run (JSONL
-    into the same folder), which does its pages again and no other; a new file (named by a
-    glob) is all the run after reads. The rows end equal to the uninterrupted first run's, plus
-    the new one. A bad option exits 2 naming it, before any cluster is joined."""
-    from deployments.offline_run import run
+def test_the_batch_command_equals_the_service_then_reruns_redo_only_what_was_cut_off_and_what_is_new(
+        serve_app, tmp_path):
+    """`deepseek-ocr batch` into a folder (Parquet, its default): a row per page (a tiled image,
+    an untiled one, a PDF's two pages each rendered as the service renders it), each equal to
+    the service's answer with the same options (text, finish reason, usage), an error row for a
+    file that is no image, its summary printed. A file then cut off mid-write (as by a run
+    killed while writing) is removed by the next run (JSONL into the same folder, through
+    `run`, in this process), which does its pages again, and a new file, and no other. The rows
+    end equal to the uninterrupted first run's, plus the new one. A glob names only what it
+    matches. A bad option exits 2 naming it, before any cluster is joined. (Two Ray Data jobs in
+    all: each starts its own actor pools, seconds of 2 cores.)"""
+    from deployments.offline_run import find_files, run
     inputs = tmp_path / "in"
     (inputs / "scans").mkdir(parents=True)
-    (inputs / "a.png").write_bytes(noise_png((640, 480), 1))
-    (inputs / "scans" / "b.png").write_bytes(noise_png((448, 448), 2))
-    (inputs / "scans" / "two.pdf").write_bytes(make_pdf(2, size=(300, 400)))
-    (inputs / "broken.jpg").write_bytes(b"not a jpeg")
+    files = {"wide.png": noise_png((1400, 700), 1), "scans/square.png": noise_png((448, 448), 2),
+             "scans/two.pdf": make_pdf(2, size=(400, 600)), "broken.jpg": b"not a jpeg"}
+    for name, data in files.items():
+        (inputs / name).write_bytes(data)
     (inputs / "notes.txt").write_text("not an input")
-    options, out = {"max_tokens": 4}, tmp_path / "out"
-    done = batch_command(str(inputs), "--out", str(out), "--max-tokens", "4",
+    options, out = {"max_tokens": 6, "prompt": "<image>\nFree OCR."}, tmp_path / "out"
+    done = batch_command(str(inputs), "--out", str(out), "--max-tokens", "6", "--prompt", options["prompt"],
                          "--address", ray.get_runtime_context().gcs_address)
     assert done.returncode == 0, done.stderr[-3000:]
     first = json.loads(done.stdout[done.stdout.index("{"):])
     assert (first["files"], first["pages"], first["errors"], first["pages_done_before"]) == (4, 5, 1, 0)
-    assert first["completion_tokens"] == 16
+    assert first["completion_tokens"] == 24
+
+    def service(field: str, data: bytes) -> dict:
+        return requests.post(f"{SERVE_URL}/v1/ocr", timeout=300, json={
+            field: base64.b64encode(data).decode(), **options}).json()
+    served = {(str(inputs / name), 0): service("image", files[name]) for name in ("wide.png", "scans/square.png")}
+    served |= {(str(inputs / "scans/two.pdf"), page["index"]): page
+               for page in service("document", files["scans/two.pdf"])["pages"]}
+    rows = {(row["source"], row["page"]): row for row in read_rows(out, keep=None)}
+    assert set(rows) == set(served) | {(str(inputs / "broken.jpg"), 0)}
+    for key, answer in served.items():
+        row = rows[key]
+        assert row["error"] is None and row["text"] == answer["text"], (row, answer)
+        assert row["finish_reason"] == answer["finish_reason"]
+        assert {k: row[k] for k in answer["usage"]} == answer["usage"]
+    broken = rows[(str(inputs / "broken.jpg"), 0)]
+    assert broken["text"] is None and broken["error"].startswith("image: cannot decode image")
+
     uninterrupted = read_rows(out)
     cut = max(out.rglob("*.parquet"), key=lambda path: path.stat().st_size)
     cut_rows = len(rows_of([cut]))
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
-    redone = run([str(inputs)], str(out), "jsonl", **options)
-    assert not cut.exists() and (redone["pages"], redone["pages_done_before"]) == (cut_rows, 5 - cut_rows)
-    assert read_rows(out) == uninterrupted
     (inputs / "c.png").write_bytes(noise_png((320, 240), 3))
-    new = run([str(inputs) + "/*.png"], str(out), "jsonl", **options)  # a.png, c.png: not scans/b.png
-    assert (new["files"], new["pages"], new["pages_done_before"]) == (2, 1, 5)
-    assert len(read_rows(out)) == 6 and "c.png" in {r["source"].rsplit("/", 1)[1] for r in read_rows(out)}
+    redone = run([str(inputs)], str(out), "jsonl", **options)
+    assert not cut.exists()
+    assert (redone["files"], redone["pages"], redone["pages_done_before"]) == (5, cut_rows + 1, 5 - cut_rows)
+    assert [r for r in read_rows(out) if not r["source"].endswith("/c.png")] == uninterrupted
+    assert len(read_rows(out)) == 6
+    _, matched = find_files([str(inputs) + "/*.png"])  # not scans/square.png
+    assert [path.rsplit("/", 1)[1] for path in matched] == ["c.png", "wide.png"]
     refused = batch_command(str(inputs), "--out", str(out), "--mode", "huge", timeout=120)
     assert refused.returncode == 2 and "mode" in refused.stderr
