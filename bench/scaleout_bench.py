@@ -200,7 +200,7 @@ def layouts(gpus: int, smoke: bool) -> dict:
     def g(n):
         return 0 if smoke else n
     target = (1, 2) if smoke else (16, 48)  # ongoing requests per replica (configs' reasoning)
-    router = {"num_replicas": 2 if smoke else 4}
+    router = {"num_replicas": 1 if smoke else 4}  # smoke: one Router, three replica starts fewer
     spread = {"router": router, "global": {"gpus": g(1)}, "local": {"gpus": g(1)},
               "decoder": {"gpus": g(1), "num_replicas": max(1, gpus - 2)}}
     squeezed = {"router": router,
