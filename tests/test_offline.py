@@ -129,3 +129,43 @@ def test_the_batch_command_equals_the_service_then_reruns_redo_only_what_was_cut
     assert [path.rsplit("/", 1)[1] for path in matched] == ["c.png", "wide.png"]
     refused = batch_command(str(inputs), "--out", str(out), "--mode", "huge", timeout=120)
     assert refused.returncode == 2 and "mode" in refused.stderr
+
+
+@pytest.fixture(scope="module")
+def bucket():
+    """A local S3-compatible server (moto's, from PyPI) with one empty bucket: the URI prefix
+    of that bucket, credentials and endpoint in it as pyarrow reads them (so Ray's workers,
+    which the filesystem is pickled to, reach it too)."""
+    from pyarrow import fs as pafs
+
+    from tests.helpers import free_port
+    moto_server = pytest.importorskip("moto.server")
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        s3 = pafs.S3FileSystem(access_key="testing", secret_key="testing", endpoint_override=f"127.0.0.1:{port}",
+                               scheme="http", region="us-east-1", allow_bucket_creation=True)
+        s3.create_dir("scans-bucket")
+        yield lambda path: f"s3://testing:testing@scans-bucket/{path}?endpoint_override=127.0.0.1:{port}" \
+                           "&scheme=http&region=us-east-1"
+    finally:
+        server.stop()
+
+
+def test_inputs_and_rows_on_object_storage(serve_app, bucket):
+    """Inputs read from a bucket (a folder of an image and a two-page PDF) and rows written to
+    it, Parquet, through the same run; what a rerun would skip is read back from the bucket."""
+    from pyarrow import fs as pafs
+
+    from deployments.offline_run import done_pages, filesystem_of, run
+    s3, root = filesystem_of(bucket("in"))
+    for name, data in {"page.png": noise_png((448, 448), 4), "two.pdf": make_pdf(2, size=(300, 400))}.items():
+        with s3.open_output_stream(f"{root}/{name}") as f:
+            f.write(data)
+    summary = run([bucket("in")], bucket("out"), max_tokens=3)
+    assert (summary["files"], summary["pages"], summary["errors"], summary["completion_tokens"]) == (2, 3, 0, 9)
+    written = [i for i in s3.get_file_info(pafs.FileSelector("scans-bucket/out", recursive=True))
+               if i.path.endswith(".parquet")]
+    assert written and all(i.path.startswith(summary["out"]) for i in written)
+    assert len(done_pages(bucket("out"))) == 3
