@@ -63,15 +63,18 @@ ROUTERS = 4
 @pytest.fixture(scope="module")
 def four_routers(serve_app):
     """The app with its defaults (the tiny model, as the other Serve tests set it up) behind
-    four Router replicas, on the test cluster."""
+    four Router replicas, on the test cluster: the Routers of an app of their own over the
+    shared app's encoders and Decoder (its defaults: what the Routers' admission must match),
+    so that only the Routers start."""
     from ray import serve
 
-    from deployments.app import _tiers
+    from deployments.placement import ModelTiers
     from deployments.router import Router
-    from tests.conftest import SERVE_URL
+    from tests.conftest import SERVE_APP, SERVE_URL
     config = AppConfig(max_len=2048, max_images=8)
-    serve.run(Router.options(num_replicas=ROUTERS).bind([_tiers(m) for m in config.served_models()], config),
-              name="admission", route_prefix="/admission")
+    tiers = ModelTiers.of(config, *(serve.get_deployment_handle(name, SERVE_APP)
+                                    for name in ("GlobalEncoder", "LocalEncoder", "Decoder")))
+    serve.run(Router.options(num_replicas=ROUTERS).bind(tiers, config), name="admission", route_prefix="/admission")
     yield f"{SERVE_URL}/admission"
     serve.delete("admission")
 
