@@ -12,16 +12,21 @@ pipeline of Ray Data operators, each running the code its deployment runs.
              request path's own pipeline (`OcrPipeline.ocr`: prompt, context check, n-gram
              rule, markdown / blocks), its encoder strategy `Encoded` (encoded upstream).
 
-`ocr_dataset(ds, ...)` takes any dataset with a `bytes` column (and `path`, kept as `source`)
-and returns one row per page: {source, content_sha256 (the file's), page, text (markdown with
-output_format "markdown"), finish_reason, prompt_tokens, image_tokens, completion_tokens, error}. A page that cannot be read is a row with `error`
-(the job goes on). Greedy outputs equal the service's for the same pages and options.
+`ocr_dataset(ds, ...)` takes any dataset with a `bytes` column (and `path`, kept as `source`;
+`max_tokens`, a row's own cap on each of its pages' tokens, 0 or none: the run's) and returns
+one row per page: {source, content_sha256 (the file's), page, text (markdown with
+output_format "markdown"), finish_reason, prompt_tokens, image_tokens, completion_tokens, error},
+and with output_format "blocks" also `markdown` and `blocks` (the service's blocks, boxes in the
+page's pixels, as a JSON string: one column type whatever a page's blocks hold). A page that
+cannot be read is a row with `error` (the job goes on). Greedy outputs equal the service's for
+the same pages and options.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
 import hashlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -72,14 +77,14 @@ def ocr_dataset(ds, checkpoint: str | None = None, *, config: AppConfig | None =
                 stages: Stages = Stages(), skip: frozenset = frozenset(), **options):
     """`ds` (a `bytes` column, and `path` if it has one) OCR'd page by page: a lazy Ray
     Dataset of result rows (module docstring). `options`: the request's (`OcrOptions`: mode,
-    max_crops, prompt, prompt_preset, output_format text or markdown, max_tokens, ngram, dpi),
+    max_crops, prompt, prompt_preset, output_format, max_tokens, ngram, dpi),
     checked now: a bad one raises `BadRequest` naming it before any work. `skip`: pages done
     before, (content_sha256, page), left out."""
     config = config or AppConfig(checkpoint=checkpoint)
     opts = validate(OcrOptions, options, strict=False)
-    if opts.output_format == "blocks" or opts.return_crops or opts.stream or opts.page_range:
-        raise BadRequest("offline OCR writes text or markdown rows: output_format 'blocks', "
-                         "return_crops, stream and page_range are the service's", "output_format")
+    for name in ("return_crops", "stream", "page_range"):
+        if getattr(opts, name):
+            raise BadRequest(f"{name} is the service's: offline OCR writes a row per page", name)
     tiling, _ = sequence_layout(config.checkpoint)
     try:
         tiling.check(opts.mode, opts.max_crops)
@@ -107,7 +112,8 @@ def pages_of(row: dict, dpi: int, max_pages: int, skip: frozenset = frozenset())
     Each row names its file's content (`content_sha256`); the pages in `skip` ((content, page):
     done before) are left out unrendered."""
     data = row["bytes"]
-    base = {"source": row.get("path") or "", "content_sha256": hashlib.sha256(data).hexdigest()}
+    base = {"source": row.get("path") or "", "content_sha256": hashlib.sha256(data).hexdigest(),
+            "max_tokens": int(row.get("max_tokens") or 0)}  # 0: the run's
     if bytes(data[:len(PDF_MAGIC)]) != PDF_MAGIC:
         if (base["content_sha256"], 0) not in skip:
             yield {**base, "page": 0, "bytes": data, "pixels": NO_VIEW, "error": ""}
@@ -152,7 +158,7 @@ def views_of(batch: dict, checkpoint: str | None, mode: str, max_crops: int) -> 
         out["original_size"].append(item.original_size)
         out["num_tokens"].append(item.num_tokens)
         out["error"].append("")  # (not None: a column of Nones is read back as NaNs)
-    keep = {key: batch[key] for key in ("source", "content_sha256", "page")}
+    keep = {key: batch[key] for key in ("source", "content_sha256", "page", "max_tokens")}
     return {**keep, **{key: (np.array(values) if key in ("grid", "original_size", "num_tokens") else values)
                        for key, values in out.items()}}
 
@@ -213,18 +219,21 @@ class Decode:
     async def __call__(self, batch: dict) -> dict:
         from .placement import EncodedImage
 
-        async def one(sequence, size, page: int, error: str) -> dict:
+        async def one(sequence, size, page: int, error: str, max_tokens: int) -> dict:
             if error:
                 return {"error": error}
             image = EncodedImage(tensor(sequence), tuple(size))
+            options = self.options.model_copy(update={"max_tokens": int(max_tokens)}) if max_tokens else self.options
             try:
-                answer = await self.pipeline.ocr([image], self.options, page=int(page))
+                answer = await self.pipeline.ocr([image], options, page=int(page))
             except BadRequest as e:  # this page's prompt does not fit the context
                 return {"error": f"request: {e}"}
             return {**answer["usage"], "text": answer["text"], "finish_reason": answer["finish_reason"],
-                    "error": None}
+                    "error": None, **({"markdown": answer["markdown"], "blocks": json.dumps(answer["blocks"])}
+                                      if "blocks" in answer else {})}
         answers = await asyncio.gather(*(one(*row) for row in zip(
-            batch["sequence"], batch["original_size"], batch["page"], batch["error"])))
-        columns = ("text", "finish_reason", "prompt_tokens", "image_tokens", "completion_tokens", "error")
+            batch["sequence"], batch["original_size"], batch["page"], batch["error"], batch["max_tokens"])))
+        columns = ("text", "finish_reason", "prompt_tokens", "image_tokens", "completion_tokens", "error",
+                   *(("markdown", "blocks") if self.options.output_format == "blocks" else ()))
         return {"source": batch["source"], "content_sha256": batch["content_sha256"], "page": batch["page"],
                 **{key: [answer.get(key) for answer in answers] for key in columns}}

@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-crops", type=int)
     parser.add_argument("--prompt")
     parser.add_argument("--preset", dest="prompt_preset")
-    parser.add_argument("--output-format", choices=("text", "markdown"), default="text")
+    parser.add_argument("--output-format", choices=("text", "markdown", "blocks"), default="text",
+                        help="blocks: also `markdown` and `blocks` columns (a JSON list, boxes in pixels)")
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--dpi", type=int)
     parser.add_argument("--encoders", type=int, default=1, help="actors per encoder path")

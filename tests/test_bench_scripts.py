@@ -51,6 +51,20 @@ def test_scaleout_bench_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_batch_bench_smoke(tmp_path):
+    """Offline OCR of the realistic mix's pages on Ray Data, each page capped by its own
+    `max_tokens` column (random weights never stop: each generates exactly that), the whole job
+    timed; Ray Data's stage report kept."""
+    result = run_smoke("batch_bench.py", "batch", tmp_path)
+    summary, run = result["summary"], result["run"]
+    assert summary["smoke"] is True and summary["pages"] == 8 and summary["error_count"] == 0
+    assert run["generated_tokens"] == result["workload"]["generated_tokens_total"]
+    assert summary["tokens_per_s"] == pytest.approx(run["generated_tokens"] / run["seconds"])
+    assert 0 < run["until_first_page_s"] < run["seconds"]
+    assert "Decode" in run["ray_data_stats"] and result["code"]["python_sources_sha256"]
+
+
+@pytest.mark.slow
 def test_e2e_bench_smoke(tmp_path):
     """The shipped config with only host and port changed, the README's command, no variable
     set; the realistic mix, each page's own max_tokens; the Decoder's metrics read per level."""

@@ -29,7 +29,8 @@ def noise_png(size: tuple[int, int], seed: int) -> bytes:
 
 
 @pytest.mark.parametrize("options, param", [({"max_crops": 99}, "max_crops"), ({"max_tokens": 0}, "max_tokens"),
-                                             ({"output_format": "blocks"}, "output_format"),
+                                             ({"return_crops": True}, "return_crops"),
+                                             ({"output_format": "html"}, "output_format"),
                                              ({"mode": "huge"}, "mode"), ({"colour": "red"}, "colour")])
 def test_bad_options_are_refused_before_any_work(options, param):
     """Checked as the service checks a request's, before the dataset is touched."""
@@ -153,19 +154,36 @@ def bucket():
         server.stop()
 
 
-def test_inputs_and_rows_on_object_storage(serve_app, bucket):
+def test_inputs_and_rows_on_object_storage_with_blocks(serve_app, bucket):
     """Inputs read from a bucket (a folder of an image and a two-page PDF) and rows written to
-    it, Parquet, through the same run; what a rerun would skip is read back from the bucket."""
+    it, Parquet, through the same run, with output_format "blocks": each page's markdown and
+    blocks (a JSON list) equal the service's; what a rerun would skip is read back from the
+    bucket."""
     from pyarrow import fs as pafs
+    from pyarrow import parquet
 
     from deployments.offline_run import done_pages, filesystem_of, run
     s3, root = filesystem_of(bucket("in"))
-    for name, data in {"page.png": noise_png((448, 448), 4), "two.pdf": make_pdf(2, size=(300, 400))}.items():
+    files = {"page.png": noise_png((448, 448), 4), "two.pdf": make_pdf(2, size=(300, 400))}
+    for name, data in files.items():
         with s3.open_output_stream(f"{root}/{name}") as f:
             f.write(data)
-    summary = run([bucket("in")], bucket("out"), max_tokens=3)
+    options = {"max_tokens": 3, "output_format": "blocks"}
+    summary = run([bucket("in")], bucket("out"), **options)
     assert (summary["files"], summary["pages"], summary["errors"], summary["completion_tokens"]) == (2, 3, 0, 9)
-    written = [i for i in s3.get_file_info(pafs.FileSelector("scans-bucket/out", recursive=True))
+    written = [i.path for i in s3.get_file_info(pafs.FileSelector("scans-bucket/out", recursive=True))
                if i.path.endswith(".parquet")]
-    assert written and all(i.path.startswith(summary["out"]) for i in written)
+    assert written and all(path.startswith(summary["out"]) for path in written)
+    rows = {(row["source"].rsplit("/", 1)[1], row["page"]): row
+            for path in written for row in parquet.read_table(path, filesystem=s3).to_pylist()}
+
+    def service(field: str, data: bytes) -> dict:
+        return requests.post(f"{SERVE_URL}/v1/ocr", timeout=300, json={
+            field: base64.b64encode(data).decode(), **options}).json()
+    served = {("page.png", 0): service("image", files["page.png"])}
+    served |= {("two.pdf", page["index"]): page for page in service("document", files["two.pdf"])["pages"]}
+    assert set(rows) == set(served)
+    for key, answer in served.items():
+        assert rows[key]["text"] == answer["text"] and rows[key]["markdown"] == answer["markdown"], key
+        assert json.loads(rows[key]["blocks"]) == answer["blocks"], key
     assert len(done_pages(bucket("out"))) == 3

@@ -1,0 +1,158 @@
+"""Offline OCR on Ray Data (`deployments.offline.ocr_dataset`, what `deepseek-ocr batch` runs)
+on the realistic mix, on one machine: pages/s and output tokens/s, and each Ray Data operator's
+share of the run as Ray Data reports it.
+
+    python bench/batch_bench.py --checkpoint /tmp/ckpt                   # one GPU: its shares below
+    python bench/batch_bench.py --smoke                                  # CPU, tiny model: checks the script
+    python bench/batch_bench.py ... --service bench/results/e2e-<date>.json --decoder bench/results/decoder-<date>.json
+
+The pages are bench/workload.py's mix (the e2e bench's, seed 0), each with its own `max_tokens`
+(a `max_tokens` column: random weights never stop early, so each page generates exactly that),
+as bytes in a dataset (`ray.data.from_items`): no HTTP, no admission. The stages: one actor per
+encoder path at `--encoder_gpus` of the card each (0.25), `--decoders` Decoder actors at
+`--decoder_gpus` (0.5), their allocators capped as the shipped gpu-shared.yaml caps its tiers'
+(0.15 / 0.25 / 0.5 of the card). The clock runs over the whole job, the actors' start, loading
+and graph capture included (what a corpus job takes; rows reach the driver a Decode batch of
+hundreds of pages at a time, so no steadier window can be read off them), so the ratios below
+are the offline path's lower bound against the service's warm levels. Given the e2e bench's and the in-process decoder's
+JSONs of the same machine and code, the summary adds issue 55's ratios (targets: >= 1.2x the
+service, >= 0.9x the in-process decoder, tokens/s).
+
+Writes bench/results/<name>-<date>.json with a top-level `summary`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import RESULTS, code_state, gpu_names, write_result  # noqa: E402
+from bench.workload import describe, make_workload  # noqa: E402
+
+TARGETS = {"to_service_tokens_per_s": 1.2, "to_inprocess_tokens_per_s": 0.9}
+
+
+def pages(n: int, seed: int, smoke: bool) -> list:
+    items = make_workload(n, seed, workers=os.cpu_count() or 1)
+    if smoke:  # the tiny model on 2 cores: a hundredth of each page's tokens, as the e2e smoke
+        items = [dataclasses.replace(item, max_tokens=max(2, item.max_tokens // 100)) for item in items]
+    return items
+
+
+MEMORY_CAPS = {"gpu_memory_fraction_global": 0.15, "gpu_memory_fraction_local": 0.25,
+               "gpu_memory_fraction_decoder": 0.5}  # deployments/configs/gpu-shared.yaml's
+
+
+def run(items: list, config, stages) -> dict:
+    """Every page through `ocr_dataset`, rows counted as they stream out: the timings."""
+    import ray
+
+    from deployments.offline import ocr_dataset
+    rows = [{"path": f"page-{i}.{item.format}", "bytes": item.image, "max_tokens": item.max_tokens}
+            for i, item in enumerate(items)]
+    ds = ocr_dataset(ray.data.from_items(rows), config=config, stages=stages)
+    start, first, tokens, answered, errors = time.perf_counter(), None, 0, 0, []
+    for row in ds.iter_rows():
+        first = first or time.perf_counter()
+        answered += 1
+        tokens += row["completion_tokens"] or 0
+        if row["error"]:
+            errors.append(row["error"])
+    seconds = time.perf_counter() - start
+    return {"pages": answered, "generated_tokens": tokens, "errors": errors[:10], "error_count": len(errors),
+            "seconds": seconds, "until_first_page_s": first - start, "pages_per_s": answered / seconds,
+            "tokens_per_s": tokens / seconds, "ray_data_stats": ds.stats()}
+
+
+def ratios(summary: dict, service: dict | None, decoder: dict | None) -> dict:
+    """Issue 55's ratios against the service's tokens/s at 256 in flight and the in-process
+    decoder's, where those JSONs ran on this card and code."""
+    from bench.side_by_side import runs_c256, same_code
+    out = {}
+    for key, result, figure in (("to_service_tokens_per_s", service, lambda r: runs_c256([r])),
+                                ("to_inprocess_tokens_per_s", decoder,
+                                 lambda r: [r["summary"]["tokens_per_s_c256"]])):
+        if result is None:
+            continue
+        cards = set(result["setup"]["gpus"]) if "setup" in result else {result["device"]}
+        if cards != {summary["gpu"]}:
+            raise ValueError(f"{key}: the input ran on {sorted(cards)}, this run on {summary['gpu']}")
+        same_code(result, {"code": summary["code"]})
+        values = sorted(figure(result))
+        out[key] = summary["tokens_per_s"] / values[len(values) // 2]
+    out["met"] = {key: out[key] >= target for key, target in TARGETS.items() if key in out}
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pages", type=int, default=2048, help="enough that the start is a small part")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", help="the real-dims random checkpoint (written here if missing)")
+    parser.add_argument("--encoders", type=int, default=1, help="actors per encoder path")
+    parser.add_argument("--decoders", type=int, default=1)
+    parser.add_argument("--encoder_gpus", type=float, default=0.25, help="each encoder path's share of a GPU")
+    parser.add_argument("--decoder_gpus", type=float, default=0.5)
+    parser.add_argument("--service", help="e2e_bench's JSON of this machine and code (a ratio)")
+    parser.add_argument("--decoder", help="decoder_bench --workload realistic's JSON of this machine and code")
+    parser.add_argument("--smoke", action="store_true", help="CPU, the tiny model, 8 pages: checks the script")
+    parser.add_argument("--name", default="batch")
+    parser.add_argument("--out", default=RESULTS)
+    opts = parser.parse_args(argv)
+    import json
+
+    import ray
+
+    from deployments.config import AppConfig
+    from deployments.offline import Stages
+    config = AppConfig()  # the smoke's: the tiny random model on CPU
+    if not opts.smoke:
+        import torch
+
+        from decoder.config import DecoderArgs
+        from deployments.model_source import write_random_model
+        from encoder.config import EncoderArgs
+        assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU (or --smoke)"
+        checkpoint = opts.checkpoint or os.path.join(tempfile.mkdtemp(), "ckpt")
+        if not os.path.isfile(os.path.join(checkpoint, "config.json")):
+            write_random_model(checkpoint, EncoderArgs(), DecoderArgs())
+        config = AppConfig(checkpoint=checkpoint, **MEMORY_CAPS)
+    n = 8 if opts.smoke else opts.pages
+    items = pages(n, opts.seed, opts.smoke)
+    stages = Stages(encoders=opts.encoders, decoders=opts.decoders,
+                    encoder_gpus=0 if opts.smoke else opts.encoder_gpus,
+                    decoder_gpus=0 if opts.smoke else opts.decoder_gpus)
+    ray.init(num_cpus=4 if opts.smoke else None, include_dashboard=False, log_to_driver=False)
+    try:
+        result = run(items, config, stages)
+    finally:
+        ray.shutdown()
+    gpus = gpu_names()
+    summary = {"gpu": gpus[0] if gpus else "cpu (smoke)", "pages_per_s": result["pages_per_s"],
+               "tokens_per_s": result["tokens_per_s"], "pages": result["pages"],
+               "error_count": result["error_count"], "until_first_page_s": result["until_first_page_s"],
+               "smoke": opts.smoke, "code": code_state()}
+    def load(path):
+        if path:
+            with open(path) as f:
+                return json.load(f)
+    summary |= ratios(summary, load(opts.service), load(opts.decoder))
+    summary["targets"] = TARGETS
+    code = summary.pop("code")
+    write_result(opts.out, f"{opts.name}-smoke" if opts.smoke else opts.name, {
+        "benchmark": "offline OCR on Ray Data (issue 55)", "date": datetime.date.today().isoformat(),
+        "summary": summary, "code": code,
+        "setup": {"gpus": gpus, "stages": dataclasses.asdict(stages), "checkpoint": "tiny random" if opts.smoke
+                  else "random, real dims", "memory_caps": None if opts.smoke else MEMORY_CAPS,
+                  "pages": n, "seed": opts.seed,
+                  "inputs": {"service": opts.service, "decoder": opts.decoder}},
+        "workload": describe(items), "run": result})
+
+
+if __name__ == "__main__":
+    main()
