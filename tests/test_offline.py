@@ -187,3 +187,43 @@ def test_inputs_and_rows_on_object_storage_with_blocks(serve_app, bucket):
         assert rows[key]["text"] == answer["text"] and rows[key]["markdown"] == answer["markdown"], key
         assert json.loads(rows[key]["blocks"]) == answer["blocks"], key
     assert len(done_pages(bucket("out"))) == 3
+
+
+def decode_actor_pids() -> list[int]:
+    """The processes of this cluster's live Decode actors (Ray Data's map workers, told apart by
+    the name their process takes)."""
+    from ray._private import state
+    pids = [a["Pid"] for a in state.actors().values() if a["State"] == "ALIVE" and a.get("Pid")]
+    return [pid for pid in pids if _cmdline(pid).startswith("ray::MapWorker(MapBatches(Decode))")]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def test_a_killed_decoder_actor_s_pages_are_done_again_and_appear_once(serve_app):
+    """The Decode actor's process killed (SIGKILL) once the first page is out, the others still
+    queued or generating in it (a decoder of 2 running and 2 waiting, a page per batch): Ray Data
+    starts another and sends it their batches; every page appears exactly once, whole."""
+    import os
+    import signal
+
+    from deployments.config import AppConfig
+    from deployments.offline import Stages
+    rows = [{"path": f"p{i}.png", "bytes": noise_png((400, 300), i)} for i in range(10)]
+    ds = ocr_dataset(ray.data.from_items(rows), config=AppConfig(max_batch=2, decoder_queue=2),
+                     stages=Stages(encoder_batch=1), max_tokens=60, mode="tiny")
+    got, killed = [], []
+    for row in ds.iter_rows():
+        got.append(row)
+        if not killed:
+            killed, out_when_killed = decode_actor_pids(), len(got)
+            for pid in killed:
+                os.kill(pid, signal.SIGKILL)
+    assert len(killed) == 1 and out_when_killed < len(rows)
+    assert sorted(row["source"] for row in got) == sorted(row["path"] for row in rows)
+    assert all(row["error"] is None and row["completion_tokens"] == 60 for row in got)
