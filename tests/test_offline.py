@@ -62,6 +62,12 @@ def rows_of(paths, keep=KEEP) -> list[dict]:
     return sorted(rows, key=lambda r: (r["content_sha256"], r["page"]))
 
 
+def served(field: str, data: bytes, options: dict) -> dict:
+    """The running service's answer to one image or document with these options."""
+    return requests.post(f"{SERVE_URL}/v1/ocr", timeout=300, json={
+        field: base64.b64encode(data).decode(), **options}).json()
+
+
 def batch_command(*arguments: str, timeout: int = 600):
     """`deepseek-ocr batch` as a user runs it, on this cluster (`--address`, with the token Ray
     made for it, as test_serve's handle example joins it)."""
@@ -99,16 +105,13 @@ def test_the_batch_command_equals_the_service_then_reruns_redo_only_what_was_cut
     first = json.loads(done.stdout[done.stdout.index("{"):])
     assert (first["files"], first["pages"], first["errors"], first["pages_done_before"]) == (4, 5, 1, 0)
     assert first["completion_tokens"] == 24
-
-    def service(field: str, data: bytes) -> dict:
-        return requests.post(f"{SERVE_URL}/v1/ocr", timeout=300, json={
-            field: base64.b64encode(data).decode(), **options}).json()
-    served = {(str(inputs / name), 0): service("image", files[name]) for name in ("wide.png", "scans/square.png")}
-    served |= {(str(inputs / "scans/two.pdf"), page["index"]): page
-               for page in service("document", files["scans/two.pdf"])["pages"]}
+    answers = {(str(inputs / name), 0): served("image", files[name], options)
+               for name in ("wide.png", "scans/square.png")}
+    answers |= {(str(inputs / "scans/two.pdf"), page["index"]): page
+                for page in served("document", files["scans/two.pdf"], options)["pages"]}
     rows = {(row["source"], row["page"]): row for row in read_rows(out, keep=None)}
-    assert set(rows) == set(served) | {(str(inputs / "broken.jpg"), 0)}
-    for key, answer in served.items():
+    assert set(rows) == set(answers) | {(str(inputs / "broken.jpg"), 0)}
+    for key, answer in answers.items():
         row = rows[key]
         assert row["error"] is None and row["text"] == answer["text"], (row, answer)
         assert row["finish_reason"] == answer["finish_reason"]
@@ -176,14 +179,10 @@ def test_inputs_and_rows_on_object_storage_with_blocks(serve_app, bucket):
     assert written and all(path.startswith(summary["out"]) for path in written)
     rows = {(row["source"].rsplit("/", 1)[1], row["page"]): row
             for path in written for row in parquet.read_table(path, filesystem=s3).to_pylist()}
-
-    def service(field: str, data: bytes) -> dict:
-        return requests.post(f"{SERVE_URL}/v1/ocr", timeout=300, json={
-            field: base64.b64encode(data).decode(), **options}).json()
-    served = {("page.png", 0): service("image", files["page.png"])}
-    served |= {("two.pdf", page["index"]): page for page in service("document", files["two.pdf"])["pages"]}
-    assert set(rows) == set(served)
-    for key, answer in served.items():
+    answers = {("page.png", 0): served("image", files["page.png"], options)}
+    answers |= {("two.pdf", page["index"]): page for page in served("document", files["two.pdf"], options)["pages"]}
+    assert set(rows) == set(answers)
+    for key, answer in answers.items():
         assert rows[key]["text"] == answer["text"] and rows[key]["markdown"] == answer["markdown"], key
         assert json.loads(rows[key]["blocks"]) == answer["blocks"], key
     assert len(done_pages(bucket("out"))) == 3
