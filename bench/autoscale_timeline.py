@@ -514,12 +514,19 @@ def timeline(samples: list[dict], log: list[dict], ramp: Ramp, minimum: dict, co
     # node added belongs to the phase of the scale-up that asked for it: the latest scale-up,
     # before it, of a tier that runs on that node type (for a node removed: that of the
     # scale-up that had asked for it).
+    # A tier grows in a phase when it goes past the replicas it had as the phase began: one that
+    # scaled down within the phase and came back to that count (its load eased, then returned on
+    # 2 busy cores) has asked for nothing the phase did not start with.
     starts = ramp.phase_starts()
     bounds = list(starts.values())[1:] + [ramp.load_s + ramp.tail_s]
-    ups = [e for e in scale_events if e["to"] > e["from"]]
 
     def phase_at(t: float) -> str:
         return [name for name, start in starts.items() if start <= t][-1] if t >= 0 else next(iter(starts))
+
+    def wanted_at(tier: str, t: float) -> int:
+        earlier = [e["to"] for e in scale_events if e["tier"] == tier and e["t_s"] < t]
+        return earlier[-1] if earlier else samples[0]["wanted"][tier]
+    ups = [e for e in scale_events if e["to"] > max(e["from"], wanted_at(e["tier"], starts[phase_at(e["t_s"])]))]
 
     for event in node_events:
         causes = [e for e in ups if TIER_NODES[e["tier"]] == event["type"] and e["t_s"] <= event["t_s"]]

@@ -49,7 +49,7 @@ def test_every_request_is_answered_or_refused_with_retry_after(summary):
 def test_the_tier_that_is_short_scales_up_first_in_each_phase(summary):
     """Image-heavy: an encoder tier scales up first and the decoder not at all; text-heavy:
     the decoder scales up first and no encoder tier does (a phase's decisions: those taken
-    during it)."""
+    during it that take a tier past the replicas it had as the phase began)."""
     images, text = summary["phases"]["image-heavy"], summary["phases"]["text-heavy"]
     assert images["first_scale_up"] and images["first_scale_up"]["tier"] in ENCODERS, brief(summary)
     assert "Decoder" not in images["tiers_scaled_up"], brief(summary)
@@ -70,3 +70,34 @@ def test_nodes_of_the_type_the_tier_needs_are_added_then_removed(summary):
         assert added and any(e["event"] == "removed" and e["t_s"] > added[0] for e in events), brief(summary)
     assert summary["back_at_minimum"], brief(summary)
     assert summary["end"]["nodes"] == summary["minimum"]["nodes"], brief(summary)
+
+
+def synthetic_samples(events: list[tuple], nodes: list[tuple], seconds: int = 100) -> list[dict]:
+    """A sample a second from scale events (t, tier, to) and node events (t, type, count)."""
+    wanted, count, samples = {"GlobalEncoder": 1, "LocalEncoder": 1, "Decoder": 1}, {"encoder": 1, "decoder": 1}, []
+    for t in range(seconds):
+        wanted |= {tier: to for at, tier, to in events if at == t}
+        count |= {kind: n for at, kind, n in nodes if at == t}
+        samples.append({"t_s": float(t), "wanted": dict(wanted), "nodes": {"head": 1, **count}})
+    return samples
+
+
+@pytest.mark.parametrize("regrown, counted", [(2, False), (3, True)])
+def test_a_tier_back_at_its_phase_start_count_has_not_scaled_up_in_that_phase(regrown, counted):
+    """(No cluster.) The timeline of a run that failed once: the encoders scaled up in the
+    image-heavy phase, down early in the text-heavy one and the GlobalEncoder back up to its
+    phase-start count (an encoder node re-added for it): that is no text-heavy scale-up of the
+    encoders, and the node belongs to the image-heavy phase. Past that count it is one."""
+    events = [(5, "GlobalEncoder", 2), (5, "LocalEncoder", 2), (47, "Decoder", 2), (52, "GlobalEncoder", 1),
+              (53, "LocalEncoder", 1), (66, "GlobalEncoder", regrown), (76, "GlobalEncoder", 1), (87, "Decoder", 1)]
+    nodes = [(8, "encoder", 2), (50, "decoder", 2), (65, "encoder", 1), (67, "encoder", regrown), (80, "encoder", 1),
+             (92, "decoder", 1)]
+    minimum = {"replicas": {}, "wanted": {"GlobalEncoder": 1, "LocalEncoder": 1, "Decoder": 1},
+               "nodes": {"head": 1, "encoder": 1, "decoder": 1}}
+    phases = autoscale_timeline.timeline(synthetic_samples(events, nodes), [], autoscale_timeline.SHORT, minimum,
+                                         {})["summary"]["phases"]
+    text = phases["text-heavy"]
+    assert phases["image-heavy"]["tiers_scaled_up"] == ["GlobalEncoder", "LocalEncoder"]
+    assert text["first_scale_up"]["tier"] == "Decoder"
+    assert ("GlobalEncoder" in text["tiers_scaled_up"]) is counted
+    assert ("encoder" in text["node_types_added"]) is counted
