@@ -210,10 +210,12 @@ class Decode:
 
     def __init__(self, config: AppConfig, options: OcrOptions):
         from .decoder_server import DecoderServer
-        from .placement import Encoded, InProcessDecoder, pipeline_of
+        from .placement import Encoded, pipeline_of
         tiling, _ = sequence_layout(config.checkpoint)
+        # The replica class in process is the pipeline's decoder client as it is: its
+        # `generate` takes what `DecoderClient.generate` forwards to the deployment.
         self.server = DecoderServer.func_or_class(config)
-        self.pipeline = pipeline_of(config, Encoded(tiling), InProcessDecoder(self.server))
+        self.pipeline = pipeline_of(config, Encoded(tiling), self.server)
         self.options = options
 
     async def __call__(self, batch: dict) -> dict:

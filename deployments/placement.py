@@ -269,17 +269,6 @@ class DecoderClient:
                 stream.cancel()
 
 
-class InProcessDecoder:
-    """The Decoder's class in this process (`DecoderServer.func_or_class(config)`: the offline
-    path's decoder stage), as the pipeline calls it: a whole generation."""
-
-    def __init__(self, server):
-        self.server = server
-
-    async def generate(self, ids: list[int], seqs: list[torch.Tensor], params) -> dict:
-        return await self.server.generate(ids, seqs, params)
-
-
 @dataclass
 class ModelTiers:
     """One served model's deployments, as the app was built: its handles (None where its
