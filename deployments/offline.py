@@ -225,10 +225,11 @@ class Decode:
             if error:
                 return {"error": error}
             image = EncodedImage(tensor(sequence), tuple(size))
-            options = self.options.model_copy(update={"max_tokens": int(max_tokens)}) if max_tokens else self.options
-            try:
+            try:  # a row's own max_tokens is checked as the run's was
+                options = self.options if not max_tokens else validate(
+                    OcrOptions, {**self.options.model_dump(), "max_tokens": int(max_tokens)}, strict=False)
                 answer = await self.pipeline.ocr([image], options, page=int(page))
-            except BadRequest as e:  # this page's prompt does not fit the context
+            except BadRequest as e:  # its max_tokens out of range, or its prompt over the context
                 return {"error": f"request: {e}"}
             return {**answer["usage"], "text": answer["text"], "finish_reason": answer["finish_reason"],
                     "error": None, **({"markdown": answer["markdown"], "blocks": json.dumps(answer["blocks"])}

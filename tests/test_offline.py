@@ -39,6 +39,26 @@ def test_bad_options_are_refused_before_any_work(options, param):
     assert refused.value.param == param
 
 
+def test_a_row_s_own_max_tokens_is_checked_as_the_run_s():
+    """(In process, no Ray Data job.) The Decode stage: a row whose `max_tokens` is out of range
+    is that row's error naming the field; one in range caps the row's tokens; 0 is the run's."""
+    import asyncio
+
+    import torch
+
+    from deployments.config import AppConfig
+    from deployments.offline import Decode
+    from deployments.protocol import OcrOptions, validate
+    decode = Decode(AppConfig(max_len=2048), validate(OcrOptions, {"max_tokens": 5, "mode": "tiny"}, strict=False))
+    hidden = decode.server.engine.engine.model.args.hidden
+    rows = {"source": ["a.png"] * 3, "content_sha256": ["x"] * 3, "page": [0, 0, 0], "error": [""] * 3,
+            "sequence": [np.zeros((73, hidden), np.float32)] * 3, "original_size": [(64, 48)] * 3,
+            "max_tokens": [-3, 2, 0]}
+    out = asyncio.run(decode(rows))
+    assert out["error"][0].startswith("request: max_tokens") and out["text"][0] is None
+    assert out["error"][1:] == [None, None] and out["completion_tokens"][1:] == [2, 5]
+
+
 KEEP = ("source", "content_sha256", "page", "text", "finish_reason", "completion_tokens", "error")
 
 
