@@ -32,16 +32,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import RESULTS, code_state, gpu_names, write_result  # noqa: E402
-from bench.workload import describe, make_workload  # noqa: E402
+from bench.workload import describe, make_workload, smoke_lengths  # noqa: E402
 
 TARGETS = {"to_service_tokens_per_s": 1.2, "to_inprocess_tokens_per_s": 0.9}
 
 
 def pages(n: int, seed: int, smoke: bool) -> list:
     items = make_workload(n, seed, workers=os.cpu_count() or 1)
-    if smoke:  # the tiny model on 2 cores: a hundredth of each page's tokens, as the e2e smoke
-        items = [dataclasses.replace(item, max_tokens=max(2, item.max_tokens // 100)) for item in items]
-    return items
+    return smoke_lengths(items) if smoke else items
 
 
 MEMORY_CAPS = {"gpu_memory_fraction_global": 0.15, "gpu_memory_fraction_local": 0.25,

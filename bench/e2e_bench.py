@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import dataclasses
 import datetime
 import glob
 import json
@@ -76,7 +75,7 @@ import yaml
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 from bench.common import RESULTS, evict_from_page_cache, gpu_names, write_result  # noqa: E402
-from bench.workload import describe, make_workload, uniform_page, uniform_workload  # noqa: E402
+from bench.workload import describe, make_workload, smoke_lengths, uniform_page, uniform_workload  # noqa: E402
 
 PORT = 8000  # --port: HTTP on 127.0.0.1
 URL = f"http://127.0.0.1:{PORT}"
@@ -614,8 +613,8 @@ def main(argv=None) -> None:
         items = make_workload(sum(counts.values()), opts.seed, workers=os.cpu_count() or 1)
     else:
         items = uniform_workload(sum(counts.values()), opts.seed)
-    if opts.smoke:  # the tiny model on 2 cores: a hundredth of each page's tokens
-        items = [dataclasses.replace(item, max_tokens=max(2, item.max_tokens // 100)) for item in items]
+    if opts.smoke:
+        items = smoke_lengths(items)
     print(f"{len(items)} pages made in {time.perf_counter() - start:.0f} s", flush=True)
     pages, at = {}, 0
     for c in levels:

@@ -33,7 +33,7 @@ import random
 import statistics
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 
 import numpy as np
@@ -121,6 +121,11 @@ def make_workload(n: int, seed: int, workers: int = 1) -> list[WorkItem]:
         return [render(spec) for spec in specs]
     with ProcessPoolExecutor(workers) as pool:
         return list(pool.map(render, specs, chunksize=8))
+
+
+def smoke_lengths(items: list[WorkItem]) -> list[WorkItem]:
+    """The benches' CPU smoke runs (the tiny model on 2 cores): a hundredth of each page's tokens."""
+    return [replace(item, max_tokens=max(2, item.max_tokens // 100)) for item in items]
 
 
 def uniform_workload(n: int, seed: int, max_tokens: int = 700) -> list[WorkItem]:
