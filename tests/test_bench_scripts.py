@@ -64,6 +64,26 @@ def test_batch_bench_smoke(tmp_path):
     assert "Decode" in run["ray_data_stats"] and result["code"]["python_sources_sha256"]
 
 
+def test_batch_bench_ratios_read_one_machine_s_runs_and_refuse_others():
+    """bench/batch_bench.py's ratios: against the median of the service's runs at 256 and the
+    in-process decoder's figure, only from JSONs of the same card and code."""
+    from bench.batch_bench import ratios
+    code, card = {"python_sources_sha256": "abc"}, "NVIDIA H100 80GB HBM3"
+    service = {"setup": {"gpus": [card]}, "code": code,
+               "reps": [{"levels": {"256": {"tokens_per_s": t}}} for t in (10000.0, 12000.0)]}
+    decoder = {"device": card, "code": code, "summary": {"tokens_per_s_c256": 20000.0}}
+    summary = {"gpu": card, "tokens_per_s": 18000.0, "code": code}
+    assert ratios(summary, service, decoder) == {"to_service_tokens_per_s": 18000.0 / 11000.0,
+                                                 "to_inprocess_tokens_per_s": 0.9,
+                                                 "met": {"to_service_tokens_per_s": True,
+                                                         "to_inprocess_tokens_per_s": True}}
+    assert ratios(summary, None, None) == {"met": {}}
+    with pytest.raises(ValueError, match="ran on"):
+        ratios({**summary, "gpu": "NVIDIA H200"}, None, decoder)
+    with pytest.raises(ValueError, match="different code"):
+        ratios({**summary, "code": {"python_sources_sha256": "def"}}, service, None)
+
+
 @pytest.mark.slow
 def test_e2e_bench_smoke(tmp_path):
     """The shipped config with only host and port changed, the README's command, no variable
