@@ -138,7 +138,8 @@ def sweep(name, checkpoint, layout, levels, max_tokens, smoke, sampler) -> dict:
     rows = []
     for concurrency in levels:
         sampler.start()
-        row = asyncio.run(drive(handle, max(2 * concurrency, 8), concurrency, max_tokens, 1000))
+        requests = 2 * concurrency if smoke else max(2 * concurrency, 8)  # smoke: a page's seconds at 1
+        row = asyncio.run(drive(handle, requests, concurrency, max_tokens, 1000))
         utilisation = sampler.stop()
         row["gpu_utilisation"] = {d: statistics.mean(utilisation[g] for g in ids) if utilisation and ids else None
                                   for d, ids in placement.items()}

@@ -42,7 +42,7 @@ def test_scaleout_bench_smoke(tmp_path):
     for layout in ("spread", "squeezed"):
         levels = result[layout]["levels"]
         assert [row["concurrency"] for row in levels] == [1, 4]
-        assert all(row["requests"] == 8 and row["p99_s"] >= row["p50_s"] > 0 for row in levels)
+        assert all(row["requests"] == 2 * row["concurrency"] and row["p99_s"] >= row["p50_s"] > 0 for row in levels)
     step = result["autoscale"]
     assert step["pages_per_s_low"] > 0 and step["pages_per_s_high"] > 0
     polled = [p for p in step["timeline"] if p["t"] >= step["step_at_s"]]
@@ -129,19 +129,18 @@ def test_e2e_bench_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_serve_bench_smoke(tmp_path):
-    """Two of the one-GPU variants (the encoders make the views; the routers make them with
-    PIL, its twin) run through Serve and their ratios are reported per repetition's median.
-    (The other two placements, one Encoder and that Encoder inside the Router, are the same
-    script with another config; tests/test_serve.py serves both and checks them equal to the
-    default: two more smoke apps cost 2 cores half a minute.)"""
+    """One of the one-GPU variants (the encoders make the views) runs through Serve and its
+    ratios are reported per repetition's median. (The other placements, views made by the
+    Router, one Encoder and that Encoder inside the Router, are the same script with another
+    config; tests/test_serve.py serves each and checks it equal to the default: each more smoke
+    app costs 2 cores about 20 seconds.)"""
     result = run_smoke("serve_bench.py", "serve", tmp_path, "--port", str(free_port()),
-                       "--variants", "shared", "shared-router-views")
+                       "--variants", "shared")
     summary = result["summary"]
     assert summary["smoke"] is True
-    assert summary["variants_run"] == ["shared", "shared-router-views"]
-    assert set(summary["by_variant"]) == set(summary["variants_run"])
-    assert summary["by_variant"]["shared"]["latency_ratio_p50"] <= summary["latency_ratio_p50"]
-    assert summary["router_views_throughput_ratio_c64_vs_encode_only"] > 0
+    assert summary["variants_run"] == ["shared"] and set(summary["by_variant"]) == {"shared"}
+    assert summary["by_variant"]["shared"]["latency_ratio_p50"] == summary["latency_ratio_p50"] > 0
+    assert summary["router_views_throughput_ratio_c64_vs_encode_only"] is None  # not run
     for variant in result["variants"].values():
         assert len(variant["reps"]) == 1 and all(r["p50_ms"] > 0 for r in variant["reps"])
         stages = variant["router_stages_p50_ms_one_at_a_time"]
@@ -154,7 +153,7 @@ def test_serve_bench_smoke(tmp_path):
         # (Differences of medians: on 2 busy cores a slow first call can make them negative.)
         assert {"serve_call_router_ms", "serve_call_encoder_ms", "router_unstaged_ms",
                 "encoder_unstaged_ms"} <= set(variant["hops_one_at_a_time"])
-    assert [v["views_on_encoder"] for v in result["variants"].values()] == [True, False]
+    assert [v["views_on_encoder"] for v in result["variants"].values()] == [True]
 
 
 @pytest.mark.slow
