@@ -28,7 +28,7 @@ import functools
 import hashlib
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -62,12 +62,16 @@ def sequence_layout(checkpoint: str | None) -> tuple:
 @dataclass(frozen=True)
 class Stages:
     """How many actors each stage's pool runs, and what of a GPU each takes (0 on CPU; a
-    fraction lets the pools share one card)."""
+    fraction lets the pools share one card); custom resources each asks for besides, which put
+    the encoders and the decoder on the nodes declaring them (gpu-separate.yaml's
+    `encoder_gpu` / `decoder_gpu`, as cluster.yaml's node types declare them)."""
 
     encoders: int = 1
     decoders: int = 1
     encoder_gpus: float = 0.0
     decoder_gpus: float = 0.0
+    encoder_resources: dict = field(default_factory=dict)
+    decoder_resources: dict = field(default_factory=dict)
     encoder_batch: int = 16  # pages to an encoder call (its planner cuts them to its budgets)
     actor_cpus: float = 0.25  # what each actor reserves of a CPU (the replicas': their threads
     # wait on the device or on each other; a whole CPU each would starve the CPU tasks)
@@ -98,12 +102,15 @@ def ocr_dataset(ds, checkpoint: str | None = None, *, config: AppConfig | None =
             .map_batches(views_of, fn_kwargs={"checkpoint": config.checkpoint, "mode": opts.mode,
                                               "max_crops": opts.max_crops}, batch_size=4)
             .map_batches(PathStage, fn_constructor_args=("global", config), concurrency=stages.encoders,
-                         num_gpus=stages.encoder_gpus, num_cpus=stages.actor_cpus, batch_size=stages.encoder_batch)
+                         num_gpus=stages.encoder_gpus, num_cpus=stages.actor_cpus, resources=stages.encoder_resources,
+                         batch_size=stages.encoder_batch)
             .map_batches(PathStage, fn_constructor_args=("local", config), concurrency=stages.encoders,
-                         num_gpus=stages.encoder_gpus, num_cpus=stages.actor_cpus, batch_size=stages.encoder_batch)
+                         num_gpus=stages.encoder_gpus, num_cpus=stages.actor_cpus, resources=stages.encoder_resources,
+                         batch_size=stages.encoder_batch)
             .map_batches(assemble, fn_kwargs={"checkpoint": config.checkpoint}, batch_size=stages.encoder_batch)
             .map_batches(Decode, fn_constructor_args=(config, opts), concurrency=stages.decoders,
-                         num_gpus=stages.decoder_gpus, num_cpus=stages.actor_cpus, batch_size=decode_batch))
+                         num_gpus=stages.decoder_gpus, num_cpus=stages.actor_cpus, resources=stages.decoder_resources,
+                         batch_size=decode_batch))
 
 
 def pages_of(row: dict, dpi: int, max_pages: int, skip: frozenset = frozenset()) -> Iterator[dict]:

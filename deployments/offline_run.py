@@ -144,6 +144,17 @@ def _with_options_hash(table, options_hash: str):
     return table.append_column("options_sha256", pa.array([options_hash] * table.num_rows, pa.string()))
 
 
+def resources(text: str) -> dict:
+    """A JSON object of resource names to amounts (argparse's type: a bad one exits 2 naming it)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in value.values()):
+        raise argparse.ArgumentTypeError(f"not a JSON object of positive amounts: {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deepseek-ocr batch", description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="+", metavar="INPUT")
@@ -163,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decoders", type=int, default=1, help="decoder actors")
     parser.add_argument("--encoder-gpus", type=float, default=0.0, help="GPU share of an encoder actor")
     parser.add_argument("--decoder-gpus", type=float, default=0.0, help="GPU share of a decoder actor")
+    parser.add_argument("--encoder-resources", type=resources, default={}, metavar="JSON",
+                        help='custom resources an encoder actor asks for (the nodes to run on: {"encoder_gpu": 1})')
+    parser.add_argument("--decoder-resources", type=resources, default={}, metavar="JSON",
+                        help='custom resources a decoder actor asks for ({"decoder_gpu": 1})')
     args = parser.parse_args(argv)
     from .offline import Stages
     from .protocol import BadRequest, OcrOptions, validate
@@ -185,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = run(args.inputs, args.out, args.format, args.model,
                       Stages(encoders=args.encoders, decoders=args.decoders, encoder_gpus=args.encoder_gpus,
-                             decoder_gpus=args.decoder_gpus), **options)
+                             decoder_gpus=args.decoder_gpus, encoder_resources=args.encoder_resources,
+                             decoder_resources=args.decoder_resources), **options)
     except BadRequest as e:  # what only the model tells (its modes, its context)
         print(f"deepseek-ocr batch: {e}", file=sys.stderr)
         return 2

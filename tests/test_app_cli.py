@@ -1,9 +1,10 @@
 """`deepseek-ocr serve` of a config, as the README starts one (`serve run` in the app's start-up
-environment), two ways, one app each: a config naming `deployments.app:app` (the workers' preload
-before they take work, the default), and one naming a DeepSeek-OCR and a DeepSeek-OCR-2
-checkpoint (the preload on a thread). While each starts, every probe is answered at once; once
-up, it serves its models; Ctrl-C mid-generation shuts it down cleanly and soon. (One start per
-way, its tests in order: a start costs 2 cores 20-40 s.)"""
+environment): a config naming `deployments.app:app`, the README's first command, with the
+workers' preload on a thread (`DEEPSEEK_OCR_BACKGROUND_PRELOAD=1`; its default, the preload
+before they take work, is what the e2e bench's smoke run starts, tests/test_bench_scripts.py).
+While it starts, every probe is answered at once; once up, it serves its model; Ctrl-C
+mid-generation shuts it down cleanly and soon. (One start, its tests in order: a start costs 2
+cores 20-40 s; an app of two models, tests/test_models.py.)"""
 import base64
 import io
 import os
@@ -63,11 +64,6 @@ def page() -> bytes:
     return buf.getvalue()
 
 
-def ocr2_tokens(png: bytes) -> int:
-    from encoder import DEEPSEEK_OCR_2, decode
-    return DEEPSEEK_OCR_2.count_tokens(decode(png, tiling=DEEPSEEK_OCR_2).grid)
-
-
 @dataclass
 class Start:
     """A way of starting the app: the application's YAML, the environment added, and the models
@@ -79,14 +75,7 @@ class Start:
 
 STARTS = {
     "one-model": Start("- {name: default, route_prefix: /, import_path: deployments.app:app}\n",
-                       {"DEEPSEEK_OCR_BACKGROUND_PRELOAD": "0"}, {"tiny-random": lambda png: 483}),
-    # DeepSeek-OCR 2's tiny random model by its name, as the README's command for it names it;
-    # one address, each model with its own tiling and tiers.
-    "two-models": Start((
-        "- name: ocr\n  route_prefix: /\n  import_path: deployments.app:build\n  args:\n"
-        "    models:\n    - {name: deepseek-ocr}\n"
-        "    - {name: deepseek-ocr-2, checkpoint: tiny-random-ocr2, one_encoder: true}\n"),
-        {"DEEPSEEK_OCR_BACKGROUND_PRELOAD": "1"}, {"deepseek-ocr": lambda png: 483, "deepseek-ocr-2": ocr2_tokens}),
+                       {"DEEPSEEK_OCR_BACKGROUND_PRELOAD": "1"}, {"tiny-random": lambda png: 483}),
 }
 
 

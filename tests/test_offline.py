@@ -91,26 +91,51 @@ def served(field: str, data: bytes, options: dict) -> dict:
 def batch_command(*arguments: str, timeout: int = 600):
     """`deepseek-ocr batch` as a user runs it, on this cluster (`--address`, with the token Ray
     made for it, as test_serve's handle example joins it)."""
-    import os
     import subprocess
+    return subprocess.run(batch_argv(*arguments), env=batch_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def complete_files(folder) -> list:
+    """The Parquet files under `folder` written whole (their footer read; one being written has none)."""
+    import pyarrow.parquet as pq
+    whole = []
+    for path in folder.rglob("*.parquet"):
+        try:
+            pq.read_metadata(path)
+            whole.append(path)
+        except Exception:  # noqa: BLE001 - still being written (or removed meanwhile)
+            pass
+    return whole
+
+
+def batch_argv(*arguments: str) -> list[str]:
+    import os
     import sys
-    command = os.path.join(os.path.dirname(sys.executable), "deepseek-ocr")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"RAY_AUTH_MODE": "token"}
-    return subprocess.run([command, "batch", *arguments], env=env, capture_output=True, text=True, timeout=timeout)
+    return [os.path.join(os.path.dirname(sys.executable), "deepseek-ocr"), "batch", *arguments]
 
 
-def test_the_batch_command_equals_the_service_then_reruns_redo_only_what_was_cut_off_and_what_is_new(
+def batch_env() -> dict:
+    import os
+    return {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"RAY_AUTH_MODE": "token"}
+
+
+def test_the_batch_command_equals_the_service_and_a_run_killed_midway_is_finished_by_a_rerun(
         serve_app, tmp_path):
     """`deepseek-ocr batch` into a folder (Parquet, its default): a row per page (a tiled image,
     an untiled one, a PDF's two pages each rendered as the service renders it), each equal to
     the service's answer with the same options (text, finish reason, usage), an error row for a
-    file that is no image, its summary printed. A file then cut off mid-write (as by a run
-    killed while writing) is removed by the next run (JSONL into the same folder, through
-    `run`, in this process), which does its pages again, and a new file, and no other. The rows
-    end equal to the uninterrupted first run's, plus the new one. A glob names only what it
-    matches. A bad option exits 2 naming it, before any cluster is joined. (Two Ray Data jobs in
-    all: each starts its own actor pools, seconds of 2 cores.)"""
-    from deployments.offline_run import find_files, run
+    file that is no image, its summary printed. The same command into another folder, killed
+    (SIGTERM) once its first rows are written; of what it wrote, a file cut off mid-write (as by
+    a kill while writing); then a rerun (JSONL, through `run`, in this process) removes the cut
+    file, skips the pages still written, does the others and a new file: the rows end equal to
+    the uninterrupted run's, plus the new one, none twice. A glob names only what it matches. A
+    bad option exits 2 naming it, before any cluster is joined. (Three Ray Data jobs in all:
+    each starts its own actor pools, seconds of 2 cores.)"""
+    import signal
+    import subprocess
+    import time
+
+    from deployments.offline_run import done_pages, find_files, run
     inputs = tmp_path / "in"
     (inputs / "scans").mkdir(parents=True)
     files = {"wide.png": noise_png((1400, 700), 1), "scans/square.png": noise_png((448, 448), 2),
@@ -119,8 +144,9 @@ def test_the_batch_command_equals_the_service_then_reruns_redo_only_what_was_cut
         (inputs / name).write_bytes(data)
     (inputs / "notes.txt").write_text("not an input")
     options, out = {"max_tokens": 6, "prompt": "<image>\nFree OCR."}, tmp_path / "out"
-    done = batch_command(str(inputs), "--out", str(out), "--max-tokens", "6", "--prompt", options["prompt"],
-                         "--address", ray.get_runtime_context().gcs_address)
+    arguments = [str(inputs), "--max-tokens", "6", "--prompt", options["prompt"],
+                 "--address", ray.get_runtime_context().gcs_address]
+    done = batch_command(*arguments, "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     first = json.loads(done.stdout[done.stdout.index("{"):])
     assert (first["files"], first["pages"], first["errors"], first["pages_done_before"]) == (4, 5, 1, 0)
@@ -139,16 +165,27 @@ def test_the_batch_command_equals_the_service_then_reruns_redo_only_what_was_cut
     broken = rows[(str(inputs / "broken.jpg"), 0)]
     assert broken["text"] is None and broken["error"].startswith("image: cannot decode image")
 
-    uninterrupted = read_rows(out)
-    cut = max(out.rglob("*.parquet"), key=lambda path: path.stat().st_size)
-    cut_rows = len(rows_of([cut]))
+    killed_out = tmp_path / "killed"
+    killed = subprocess.Popen(batch_argv(*arguments, "--out", str(killed_out)), env=batch_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + 300
+    while not complete_files(killed_out) and killed.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    killed.send_signal(signal.SIGTERM)
+    stdout, _ = killed.communicate(timeout=120)
+    assert killed.returncode != 0 and "pages_per_s" not in stdout  # killed before its summary
+    written = done_pages(str(killed_out))  # (a file the kill left half-written: removed)
+    print(f"\nkilled with {len(written)} of 5 pages written")
+    cut = max(complete_files(killed_out), key=lambda path: path.stat().st_size)
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
     (inputs / "c.png").write_bytes(noise_png((320, 240), 3))
-    redone = run([str(inputs)], str(out), "jsonl", **options)
-    assert not cut.exists()
-    assert (redone["files"], redone["pages"], redone["pages_done_before"]) == (5, cut_rows + 1, 5 - cut_rows)
-    assert [r for r in read_rows(out) if not r["source"].endswith("/c.png")] == uninterrupted
-    assert len(read_rows(out)) == 6
+    redone = run([str(inputs)], str(killed_out), "jsonl", **options)
+    assert not cut.exists()  # unreadable: removed, its pages done again
+    assert redone["files"] == 5 and redone["pages"] + redone["pages_done_before"] == 6
+    assert redone["pages_done_before"] < 5  # at least the cut file's pages done again
+    uninterrupted = read_rows(out)
+    assert [r for r in read_rows(killed_out) if not r["source"].endswith("/c.png")] == uninterrupted
+    assert len(read_rows(killed_out)) == 6
     _, matched = find_files([str(inputs) + "/*.png"])  # not scans/square.png
     assert [path.rsplit("/", 1)[1] for path in matched] == ["c.png", "wide.png"]
     refused = batch_command(str(inputs), "--out", str(out), "--mode", "huge", timeout=120)
