@@ -45,7 +45,7 @@ SECONDS_ALONE = {
     "tests/test_bench_scripts.py::test_serve_bench_smoke": 45, "tests.test_attention": 44,
     "tests/test_bench_scripts.py::test_batch_bench_smoke": 23,
     "tests.test_unlimited_ocr_decoder": 44, "tests.test_engine": 40, "tests.test_graphs": 36,
-    "tests.test_decoder_model": 20}
+    "tests.test_decoder_model": 20, "tests.test_offline_cluster": 35}
 
 
 def unit_of(nodeid: str) -> str:

@@ -1,7 +1,8 @@
 """The GPU benchmark scripts that can run on CPU in a smoke mode do, so they cannot rot unseen.
 
-`bench/scaleout_bench.py --smoke` runs every phase of the scale-out benchmark (two layouts at
-rising concurrency, the autoscaling load step) with the tiny model on a local Ray cluster;
+`bench/scaleout_bench.py --smoke` runs every phase of the scale-out benchmark (a layout at
+rising concurrency: on CPU both are one app; the autoscaling load step) with the tiny model on a
+local Ray cluster;
 `bench/e2e_bench.py --smoke` `serve run`s the CPU config as shipped (only host and port
 changed) and sends the realistic workload over HTTP at two concurrencies, reading the Decoder's
 metrics; `bench/serve_bench.py --smoke` runs the in-process and Serve encode paths with the tiny
@@ -38,7 +39,8 @@ def run_smoke(script: str, stem: str, out, *args: str) -> dict:
 def test_scaleout_bench_smoke(tmp_path):
     result = run_smoke("scaleout_bench.py", "scaleout", tmp_path, "--port", str(free_port()))
     summary = result["summary"]
-    assert summary["smoke"] is True and summary["pages_per_s_1gpu"] > 0 and summary["scaling"] > 0
+    assert summary["smoke"] is True and summary["pages_per_s_1gpu"] > 0 and summary["scaling"] == 1.0
+    assert result["spread"] == result["squeezed"]  # on CPU one app: swept once
     for layout in ("spread", "squeezed"):
         levels = result[layout]["levels"]
         assert [row["concurrency"] for row in levels] == [1, 4]
