@@ -8,10 +8,10 @@ share of the run as Ray Data reports it.
 
 The pages are bench/workload.py's mix (the e2e bench's, seed 0), each with its own `max_tokens`
 (a `max_tokens` column: random weights never stop early, so each page generates exactly that),
-as bytes in a dataset (`ray.data.from_items`): no HTTP, no admission. The stages: one actor per
-encoder path at `--encoder_gpus` of the card each (0.25), `--decoders` Decoder actors at
-`--decoder_gpus` (0.5), their allocators capped as the shipped gpu-shared.yaml caps its tiers'
-(0.15 / 0.25 / 0.5 of the card). The clock runs over the whole job, the actors' start, loading
+as bytes in a dataset (`ray.data.from_items`): no HTTP, no admission. The stages are what
+`deepseek-ocr batch` runs on a GPU when given no layout (`deployments.offline.default_layout`):
+one actor per encoder path at 0.25 of the card each, `--decoders` Decoder actors at 0.5, their
+allocators capped as the shipped gpu-shared.yaml caps its tiers' (0.15 / 0.25 / 0.5). The clock runs over the whole job, the actors' start, loading
 and graph capture included (what a corpus job takes; rows reach the driver a Decode batch of
 hundreds of pages at a time, so no steadier window can be read off them), so the ratios below
 are the offline path's lower bound against the service's warm levels. Given the e2e bench's and the in-process decoder's
@@ -41,10 +41,6 @@ TARGETS = {"to_service_tokens_per_s": 1.2, "to_inprocess_tokens_per_s": 0.9}
 def pages(n: int, seed: int, smoke: bool) -> list:
     items = make_workload(n, seed, workers=os.cpu_count() or 1)
     return smoke_lengths(items) if smoke else items
-
-
-MEMORY_CAPS = {"gpu_memory_fraction_global": 0.15, "gpu_memory_fraction_local": 0.25,
-               "gpu_memory_fraction_decoder": 0.5}  # deployments/configs/gpu-shared.yaml's
 
 
 def run(items: list, config, stages) -> dict:
@@ -95,8 +91,6 @@ def main(argv=None) -> None:
     parser.add_argument("--checkpoint", help="the real-dims random checkpoint (written here if missing)")
     parser.add_argument("--encoders", type=int, default=1, help="actors per encoder path")
     parser.add_argument("--decoders", type=int, default=1)
-    parser.add_argument("--encoder_gpus", type=float, default=0.25, help="each encoder path's share of a GPU")
-    parser.add_argument("--decoder_gpus", type=float, default=0.5)
     parser.add_argument("--service", help="e2e_bench's JSON of this machine and code (a ratio)")
     parser.add_argument("--decoder", help="decoder_bench --workload realistic's JSON of this machine and code")
     parser.add_argument("--smoke", action="store_true", help="CPU, the tiny model, 8 pages: checks the script")
@@ -107,9 +101,8 @@ def main(argv=None) -> None:
 
     import ray
 
-    from deployments.config import AppConfig
-    from deployments.offline import Stages
-    config = AppConfig()  # the smoke's: the tiny random model on CPU
+    from deployments.offline import default_layout
+    checkpoint = None  # the smoke's: the tiny random model on CPU
     if not opts.smoke:
         import torch
 
@@ -120,12 +113,11 @@ def main(argv=None) -> None:
         checkpoint = opts.checkpoint or os.path.join(tempfile.mkdtemp(), "ckpt")
         if not os.path.isfile(os.path.join(checkpoint, "config.json")):
             write_random_model(checkpoint, EncoderArgs(), DecoderArgs())
-        config = AppConfig(checkpoint=checkpoint, **MEMORY_CAPS)
     n = 8 if opts.smoke else opts.pages
     items = pages(n, opts.seed, opts.smoke)
-    stages = Stages(encoders=opts.encoders, decoders=opts.decoders,
-                    encoder_gpus=0 if opts.smoke else opts.encoder_gpus,
-                    decoder_gpus=0 if opts.smoke else opts.decoder_gpus)
+    # What `deepseek-ocr batch` runs with no layout given: on a GPU, one card shared.
+    stages, config = default_layout(checkpoint, 0 if opts.smoke else 1, encoders=opts.encoders,
+                                    decoders=opts.decoders)
     ray.init(num_cpus=4 if opts.smoke else None, include_dashboard=False, log_to_driver=False)
     try:
         result = run(items, config, stages)
@@ -147,7 +139,8 @@ def main(argv=None) -> None:
         "benchmark": "offline OCR on Ray Data (issue 55)", "date": datetime.date.today().isoformat(),
         "summary": summary, "code": code,
         "setup": {"gpus": gpus, "stages": dataclasses.asdict(stages), "checkpoint": "tiny random" if opts.smoke
-                  else "random, real dims", "memory_caps": None if opts.smoke else MEMORY_CAPS,
+                  else "random, real dims", "memory_caps": {k: v for k, v in config.model_dump().items()
+                                                        if k.startswith("gpu_memory_fraction")},
                   "pages": n, "seed": opts.seed,
                   "inputs": {"service": opts.service, "decoder": opts.decoder}},
         "workload": describe(items), "run": result})

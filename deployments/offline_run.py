@@ -102,12 +102,14 @@ def done_pages(out: str) -> set[tuple]:
 
 
 def run(arguments: list[str], out: str, file_format: str = "parquet", checkpoint: str | None = None,
-        stages=None, **options) -> dict:
+        stages: dict | None = None, **options) -> dict:
     """OCR every file the arguments name into `out`, skipping pages done before; returns the
-    run's summary (pages, tokens, pages/s, errors, where it wrote)."""
+    run's summary (pages, tokens, pages/s, errors, where it wrote). `stages`: `Stages`' fields
+    asked for (the rest: `default_layout`'s for this cluster)."""
     import ray
 
-    from .offline import Stages, ocr_dataset
+    from .offline import default_layout, ocr_dataset
+    layout, config = default_layout(checkpoint, ray.cluster_resources().get("GPU", 0), **(stages or {}))
     filesystem, files = find_files(arguments)
     out_fs, out_root = filesystem_of(out)
     run_dir = f"{out_root.rstrip('/')}/run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -115,7 +117,7 @@ def run(arguments: list[str], out: str, file_format: str = "parquet", checkpoint
     done = {key[:2] for key in done_pages(out) if key[2] == options_hash}
     start = time.perf_counter()
     rows = ocr_dataset(ray.data.read_binary_files(files, include_paths=True, filesystem=filesystem),
-                       checkpoint, stages=stages or Stages(), skip=done, **options)
+                       config=config, stages=layout, skip=done, **options)
     rows = rows.map_batches(_with_options_hash, fn_kwargs={"options_hash": options_hash}, batch_format="pyarrow")
     writer = rows.write_parquet if file_format == "parquet" else rows.write_json
     writer(run_dir, filesystem=out_fs)
@@ -170,21 +172,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="blocks: also `markdown` and `blocks` columns (a JSON list, boxes in pixels)")
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--dpi", type=int)
-    parser.add_argument("--encoders", type=int, default=1, help="actors per encoder path")
-    parser.add_argument("--decoders", type=int, default=1, help="decoder actors")
-    parser.add_argument("--encoder-gpus", type=float, default=0.0, help="GPU share of an encoder actor")
-    parser.add_argument("--decoder-gpus", type=float, default=0.0, help="GPU share of a decoder actor")
-    parser.add_argument("--encoder-resources", type=resources, default={}, metavar="JSON",
+    parser.add_argument("--pages-per-request", type=int,
+                        help="a PDF's pages read that many at a time as one request (--mode base; Unlimited-OCR)")
+    layout = parser.add_argument_group("layout", "the pools' actors and where they run (default: one "
+                                       "actor each; with GPUs, one card shared: 0.25 per encoder path, 0.5 decoder)")
+    layout.add_argument("--encoders", type=int, help="actors per encoder path")
+    layout.add_argument("--decoders", type=int, help="decoder actors")
+    layout.add_argument("--encoder-gpus", type=float, help="GPU share of an encoder actor")
+    layout.add_argument("--decoder-gpus", type=float, help="GPU share of a decoder actor")
+    layout.add_argument("--encoder-resources", type=resources, metavar="JSON",
                         help='custom resources an encoder actor asks for (the nodes to run on: {"encoder_gpu": 1})')
-    parser.add_argument("--decoder-resources", type=resources, default={}, metavar="JSON",
+    layout.add_argument("--decoder-resources", type=resources, metavar="JSON",
                         help='custom resources a decoder actor asks for ({"decoder_gpu": 1})')
     args = parser.parse_args(argv)
-    from .offline import Stages
     from .protocol import BadRequest, OcrOptions, validate
     options = {key: value for key, value in (
         ("mode", args.mode), ("max_crops", args.max_crops), ("prompt", args.prompt),
         ("prompt_preset", args.prompt_preset), ("output_format", args.output_format),
-        ("max_tokens", args.max_tokens), ("dpi", args.dpi)) if value is not None}
+        ("max_tokens", args.max_tokens), ("dpi", args.dpi), ("pages_per_request", args.pages_per_request))
+        if value is not None}
     try:
         validate(OcrOptions, options, strict=False)  # before any cluster starts
     except BadRequest as e:
@@ -198,10 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ray.init(address=args.address, log_to_driver=False)
     try:
-        summary = run(args.inputs, args.out, args.format, args.model,
-                      Stages(encoders=args.encoders, decoders=args.decoders, encoder_gpus=args.encoder_gpus,
-                             decoder_gpus=args.decoder_gpus, encoder_resources=args.encoder_resources,
-                             decoder_resources=args.decoder_resources), **options)
+        stages = {name: getattr(args, name) for name in ("encoders", "decoders", "encoder_gpus", "decoder_gpus",
+                                                         "encoder_resources", "decoder_resources")
+                  if getattr(args, name) is not None}
+        summary = run(args.inputs, args.out, args.format, args.model, stages, **options)
     except BadRequest as e:  # what only the model tells (its modes, its context)
         print(f"deepseek-ocr batch: {e}", file=sys.stderr)
         return 2

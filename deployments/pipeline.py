@@ -68,6 +68,21 @@ def of_image(error: Exception, index: int) -> Exception:
     return error
 
 
+def check_pages_per_request(options: OcrOptions, max_images: int) -> int:
+    """`pages_per_request`, checked for a document: more than 1 only in base mode (one 1024²
+    view a page, no crops: how Unlimited-OCR reads many pages), at most the images a request
+    may carry. The service's documents and the offline path's PDFs (deployments/offline.py)."""
+    per_request = options.pages_per_request
+    if per_request > 1 and options.mode != "base":
+        raise BadRequest("pages_per_request > 1 sends pages together in base mode (one 1024² "
+                         "view a page, no crops: how Unlimited-OCR reads many pages): send "
+                         "mode 'base'", "mode")
+    if per_request > max_images:
+        raise BadRequest(f"pages_per_request {per_request} is over the {max_images} "
+                         f"images a request may carry (max_images_per_request)", "pages_per_request")
+    return per_request
+
+
 class OcrPipeline:
     def __init__(self, encoder, decoder, tokenizer, language: DecoderArgs | None, config: AppConfig,
                  model_fields: dict):
@@ -143,19 +158,12 @@ class OcrPipeline:
         sent), then return its pages' entries in page order. Pages are rendered lazily, at most
         `pages_in_flight` requests at a time, and each goes through the encoders and the decoder
         as its own request (batched with every other request's pages), or with
-        `pages_per_request` > 1 a window of pages as one multi-page request (`_window_entries`);
+        `pages_per_request` > 1 a window of pages as one multi-page request (`window_entries`);
         a page that fails is an entry with its error, never the document's failure."""
         self._require_decoder()
         options.prompt_for(1, 1)  # a prompt every page (or window: its tag repeated) can take
         self._check_views(options)
-        per_request = options.pages_per_request
-        if per_request > 1 and options.mode != "base":
-            raise BadRequest("pages_per_request > 1 sends pages together in base mode (one 1024² "
-                             "view a page, no crops: how Unlimited-OCR reads many pages): send "
-                             "mode 'base'", "mode")
-        if per_request > self.config.max_images_per_request:
-            raise BadRequest(f"pages_per_request {per_request} is over the {self.config.max_images_per_request} "
-                             f"images a request may carry (max_images_per_request)", "pages_per_request")
+        per_request = check_pages_per_request(options, self.config.max_images_per_request)
         pdf = await asyncio.to_thread(PdfDocument, document.data, self.config.max_pages)
         try:
             indices = parse_page_range(options.page_range, pdf.page_count)
@@ -166,7 +174,7 @@ class OcrPipeline:
 
         async def work(unit: int | tuple[int, ...], image):
             if isinstance(unit, tuple):  # a window of pages, `image` their images
-                return await self._window_entries(unit, image, page_options)
+                return await self.window_entries(unit, image, page_options)
             return (await self.ocr([image], page_options, page=unit, arrived=time.perf_counter()),
                     image.size)
         units = ([tuple(indices[i:i + per_request]) for i in range(0, len(indices), per_request)]
@@ -188,7 +196,7 @@ class OcrPipeline:
                 await asyncio.to_thread(pdf.close)
         return entries()
 
-    async def _window_entries(self, window: tuple[int, ...], images: list, options: OcrOptions) -> list[dict]:
+    async def window_entries(self, window: tuple[int, ...], images: list, options: OcrOptions) -> list[dict]:
         """A window of pages as one request (a caller's prompt gets its one <image> tag once per
         page), its answer split into the pages' entries where the model marks them
         (`pages.split_pages`); each page shaped as `output_format` asks."""

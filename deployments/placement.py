@@ -211,6 +211,10 @@ class EncodedImage:
     def num_tokens(self) -> int:
         return self.sequence.shape[0]
 
+    @property
+    def size(self) -> tuple[int, int]:  # as a PIL image's: a window's pages are shaped by it
+        return self.original_size
+
 
 class Encoded:
     """Images already encoded (`EncodedImage`): `prepare` takes each as it is (its views were

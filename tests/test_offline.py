@@ -6,6 +6,7 @@ one stopped."""
 import base64
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,7 +32,9 @@ def noise_png(size: tuple[int, int], seed: int) -> bytes:
 @pytest.mark.parametrize("options, param", [({"max_crops": 99}, "max_crops"), ({"max_tokens": 0}, "max_tokens"),
                                              ({"return_crops": True}, "return_crops"),
                                              ({"output_format": "html"}, "output_format"),
-                                             ({"mode": "huge"}, "mode"), ({"colour": "red"}, "colour")])
+                                             ({"mode": "huge"}, "mode"), ({"colour": "red"}, "colour"),
+                                             ({"pages_per_request": 2}, "mode"),
+                                             ({"pages_per_request": 64, "mode": "base"}, "pages_per_request")])
 def test_bad_options_are_refused_before_any_work(options, param):
     """Checked as the service checks a request's, before the dataset is touched."""
     with pytest.raises(BadRequest) as refused:
@@ -47,16 +50,36 @@ def test_a_row_s_own_max_tokens_is_checked_as_the_run_s():
     import torch
 
     from deployments.config import AppConfig
-    from deployments.offline import Decode
+    from deployments.offline import NOT_WRITTEN, Decode
     from deployments.protocol import OcrOptions, validate
     decode = Decode(AppConfig(max_len=2048), validate(OcrOptions, {"max_tokens": 5, "mode": "tiny"}, strict=False))
     hidden = decode.server.engine.engine.model.args.hidden
-    rows = {"source": ["a.png"] * 3, "content_sha256": ["x"] * 3, "page": [0, 0, 0], "error": [""] * 3,
-            "sequence": [np.zeros((73, hidden), np.float32)] * 3, "original_size": [(64, 48)] * 3,
+    rows = {"source": ["a.png"] * 3, "content_sha256": ["x"] * 3, "page": [0, 0, 0], "pages": [1] * 3,
+            "window": [False] * 3, "written": [NOT_WRITTEN] * 3, "error": [""] * 3,
+            "sequence": [np.zeros((1, 73, hidden), np.float32)] * 3, "original_size": [np.array([(64, 48)])] * 3,
             "max_tokens": [-3, 2, 0]}
     out = asyncio.run(decode(rows))
     assert out["error"][0].startswith("request: max_tokens") and out["text"][0] is None
     assert out["error"][1:] == [None, None] and out["completion_tokens"][1:] == [2, 5]
+
+
+def test_a_run_with_gpus_and_no_shares_given_shares_one_card_as_gpu_shared_yaml():
+    """`deepseek-ocr batch`'s layout: on CPUs none of a GPU; with GPUs and no share given, the
+    encoder paths a quarter of the card each and the decoder half, each pool's memory capped as
+    gpu-shared.yaml caps its tier (the decoder's KV cache leaves the encoders theirs); shares
+    given: those, no caps (the pools may be on GPUs of their own)."""
+    import yaml
+
+    from deployments.offline import Stages, default_layout
+    assert default_layout(None, 0, decoders=2) == (Stages(decoders=2), default_layout(None, 0)[1])
+    stages, config = default_layout(None, 1)
+    assert (stages.encoder_gpus * 2 + stages.decoder_gpus, stages.decoder_gpus) == (1.0, 0.5)
+    with open(Path(__file__).parents[1] / "deployments/configs/gpu-shared.yaml") as f:
+        shipped = yaml.safe_load(f)["applications"][0]["args"]
+    caps = {k: v for k, v in config.model_dump().items() if k.startswith("gpu_memory_fraction")}
+    assert caps == {k: shipped[k] for k in caps}
+    stages, config = default_layout(None, 1, decoder_gpus=1.0)
+    assert (stages.encoder_gpus, stages.decoder_gpus, config.gpu_memory_fraction_decoder) == (0.0, 1.0, None)
 
 
 KEEP = ("source", "content_sha256", "page", "text", "finish_reason", "completion_tokens", "error")
@@ -214,35 +237,68 @@ def bucket():
         server.stop()
 
 
-def test_inputs_and_rows_on_object_storage_with_blocks(serve_app, bucket):
-    """Inputs read from a bucket (a folder of an image and a two-page PDF) and rows written to
-    it, Parquet, through the same run, with output_format "blocks": each page's markdown and
-    blocks (a JSON list) equal the service's; what a rerun would skip is read back from the
-    bucket."""
+def test_inputs_and_rows_on_object_storage_with_blocks_and_windows_of_pages(serve_app, bucket):
+    """Inputs read from a bucket (a folder of an image and a three-page PDF) and rows written to
+    it, Parquet, through the same run, with output_format "blocks" and the PDF's pages two at a
+    time (`pages_per_request`, base mode: how Unlimited-OCR reads documents): each page's
+    markdown and blocks (a JSON list), its window and whether the answer was split, equal the
+    service's; what a rerun would skip is read back from the bucket."""
     from pyarrow import fs as pafs
     from pyarrow import parquet
 
     from deployments.offline_run import done_pages, filesystem_of, run
     s3, root = filesystem_of(bucket("in"))
-    files = {"page.png": noise_png((448, 448), 4), "two.pdf": make_pdf(2, size=(300, 400))}
+    files = {"page.png": noise_png((448, 448), 4), "three.pdf": make_pdf(3, size=(300, 400))}
     for name, data in files.items():
         with s3.open_output_stream(f"{root}/{name}") as f:
             f.write(data)
-    options = {"max_tokens": 3, "output_format": "blocks"}
+    options = {"max_tokens": 3, "output_format": "blocks", "mode": "base", "pages_per_request": 2}
     summary = run([bucket("in")], bucket("out"), **options)
-    assert (summary["files"], summary["pages"], summary["errors"], summary["completion_tokens"]) == (2, 3, 0, 9)
+    # The image and two windows, 3 tokens each (a window's usage on its first page).
+    assert (summary["files"], summary["pages"], summary["errors"], summary["completion_tokens"]) == (2, 4, 0, 9)
     written = [i.path for i in s3.get_file_info(pafs.FileSelector("scans-bucket/out", recursive=True))
                if i.path.endswith(".parquet")]
     assert written and all(path.startswith(summary["out"]) for path in written)
     rows = {(row["source"].rsplit("/", 1)[1], row["page"]): row
             for path in written for row in parquet.read_table(path, filesystem=s3).to_pylist()}
-    answers = {("page.png", 0): served("image", files["page.png"], options)}
-    answers |= {("two.pdf", page["index"]): page for page in served("document", files["two.pdf"], options)["pages"]}
+    answers = {("page.png", 0): {**served("image", files["page.png"], options), "window": [0], "split": False}}
+    answers |= {("three.pdf", page["index"]): page
+                for page in served("document", files["three.pdf"], options)["pages"]}
     assert set(rows) == set(answers)
+    assert [answers["three.pdf", i]["window"] for i in range(3)] == [[0, 1], [0, 1], [2]]
     for key, answer in answers.items():
         assert rows[key]["text"] == answer["text"] and rows[key]["markdown"] == answer["markdown"], key
         assert json.loads(rows[key]["blocks"]) == answer["blocks"], key
-    assert len(done_pages(bucket("out"))) == 3
+        assert (rows[key]["window"], rows[key]["split"]) == (answer["window"], answer["split"]), key
+        assert rows[key]["completion_tokens"] == answer["usage"]["completion_tokens"], key
+    assert len(done_pages(bucket("out"))) == 4
+
+
+def test_a_window_with_pages_written_before_is_read_whole_and_writes_only_the_others():
+    """(In process, the stages called in order, no Ray Data job.) A three-page PDF two pages at a
+    time, its page 0 written by an earlier run: the window [0, 1] is still read as one request
+    (its answer is the whole window's) and only page 1's row comes out, then page 2's."""
+    import asyncio
+    import hashlib
+
+    from deployments.config import AppConfig
+    from deployments.offline import Decode, PathStage, assemble, pages_of, views_of
+    from deployments.protocol import OcrOptions, validate
+    pdf = make_pdf(3, size=(300, 400))
+    config = AppConfig(max_len=2048)
+    options = validate(OcrOptions, {"max_tokens": 4, "mode": "base", "pages_per_request": 2}, strict=False)
+    stages = [PathStage("global", config), PathStage("local", config), Decode(config, options)]
+
+    def rows_out(skip: frozenset) -> list[dict]:
+        rows = list(pages_of({"bytes": pdf, "path": "three.pdf"}, 144, 400, skip, per_request=2))
+        batch = views_of({key: [row[key] for row in rows] for key in rows[0]}, None, "base", None)
+        batch = assemble(stages[1](stages[0](batch)), None)
+        out = asyncio.run(stages[2](batch))
+        return [dict(zip(out, values)) for values in zip(*out.values())]
+    whole = rows_out(frozenset())
+    assert [(row["page"], row["window"]) for row in whole] == [(0, [0, 1]), (1, [0, 1]), (2, [2])]
+    rest = rows_out(frozenset({(hashlib.sha256(pdf).hexdigest(), 0)}))
+    assert rest == whole[1:]
 
 
 def decode_actor_pids() -> list[int]:
