@@ -1,9 +1,10 @@
 """Output processing: a step's picked tokens become each request's `Delta`s.
 
 Per picked token: it joins its sequence (EOS or max_tokens finish it), the no-repeat-n-gram rule
-sees it, the text grows by its incremental decoding (special tokens dropped when asked), and a
-stop string may end the sequence there. A delta holds back a tail of text that could still grow
-into a stop string.
+sees it, the text grows by its incremental decoding (special tokens dropped when asked), a stop
+string may end the sequence there, and so may the loop detector (decoder/repetition.py:
+`finish_reason` "repetition", the text cut where the loop began). A delta holds back a tail of
+text that could still grow into a stop string.
 """
 from __future__ import annotations
 
@@ -49,22 +50,27 @@ class OutputProcessor:
                 seq.text += seq.detok.push([token])
             stops = seq.request.params.stop
             cut = find_stop(seq.text, list(stops), seq.emitted) if stops else None
+            repetition = None
             if cut is not None:
                 seq.text, reason = seq.text[:cut], "stop"
-                if not seq.done:
-                    retire(seq)
-            if reason is not None:
-                if reason != "stop":
-                    seq.text += seq.detok.flush()
-                deltas.append(self.delta(seq, [token], reason))
-            else:
-                deltas.append(self.delta(seq, [token], None))
+            elif seq.loop is not None:
+                seq.text_ends.append(len(seq.text))
+                loop = seq.loop.push(token) if reason is None else None
+                if loop is not None:  # the text before the loop: what a whole answer keeps
+                    kept = seq.text_ends[loop.start_token - 1] if loop.start_token else 0
+                    repetition = {"start_token": loop.start_token, "period": loop.period, "text_chars": kept}
+                    seq.text, reason = seq.text[:max(kept, seq.emitted)], "repetition"
+            if reason in ("stop", "repetition") and not seq.done:
+                retire(seq)
+            if reason is not None and reason not in ("stop", "repetition"):
+                seq.text += seq.detok.flush()
+            deltas.append(self.delta(seq, [token], reason, repetition))
         return deltas
 
-    def delta(self, seq: Sequence, tokens: list[int], reason: str | None) -> Delta:
+    def delta(self, seq: Sequence, tokens: list[int], reason: str | None, repetition: dict | None = None) -> Delta:
         # Hold back a tail that could still grow into a stop string.
         end = len(seq.text) if reason else len(seq.text) - holdback(seq.text, list(seq.request.params.stop))
         end = max(end, seq.emitted)
         text, seq.emitted = seq.text[seq.emitted:end], end
         return Delta(seq.request.request_id, text, tokens, reason is not None, reason,
-                     len(seq.request.prompt_ids), len(seq.tokens))
+                     len(seq.request.prompt_ids), len(seq.tokens), repetition=repetition)

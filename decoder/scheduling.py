@@ -120,6 +120,7 @@ class Scheduler:
         n = len(request.prompt_ids)
         return Sequence(request, -1, n, min(params.max_tokens, self.max_len - n),
                         params.ngram.rule(request.prompt_ids), IncrementalDecoder(self.tokenizer),
+                        params.repetition.detector(self.tokenizer.decode),
                         seed=secrets.randbits(32) if params.seed is None else params.seed,
                         admitted=next(self._admissions))
 

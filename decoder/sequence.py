@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .ngram import NGramConfig, NoRepeatNGram
+from .repetition import LoopDetector, RepetitionGuard
 from .tokenizer import IncrementalDecoder
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range
@@ -18,6 +19,7 @@ class SamplingParams:
     max_tokens: int = 8192
     stop: tuple[str, ...] = ()
     ngram: NGramConfig = field(default_factory=NGramConfig)
+    repetition: RepetitionGuard = field(default_factory=RepetitionGuard)  # the loop detector's settings
     ignore_eos: bool = False  # benchmarks: generate exactly max_tokens
     temperature: float = 0.0  # 0: greedy (the default, as DeepSeek's scripts run the model)
     top_p: float = 1.0
@@ -52,17 +54,24 @@ class Delta:
     text: str
     token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # "eos", "length", "stop", "aborted"
+    finish_reason: str | None = None  # "eos", "length", "stop", "repetition", "aborted"
     prompt_tokens: int = 0
     completion_tokens: int = 0
     first_token_at: float | None = None  # time.monotonic() of the first token (merged deltas)
+    # finish_reason "repetition": where the loop began (`start_token`, in generated tokens), its
+    # `period`, and `text_chars`, the characters of the text before it (what a whole answer
+    # keeps; a stream has sent the text up to the detection)
+    repetition: dict | None = None
 
     def merge(self, later: Delta) -> None:
-        """Fold a later delta of the same request into this one."""
+        """Fold a later delta of the same request into this one (a loop's repeats cut off)."""
         self.text += later.text
         self.token_ids += later.token_ids
         self.finished, self.finish_reason = later.finished, later.finish_reason
         self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
+        if later.repetition is not None:
+            self.repetition = later.repetition
+            self.text = self.text[:later.repetition["text_chars"]]
 
 
 
@@ -74,6 +83,7 @@ class Sequence:
     max_tokens: int
     ngram: NoRepeatNGram | None
     detok: IncrementalDecoder
+    loop: LoopDetector | None = None  # the repetition guard's state (None: off)
     tokens: list[int] = field(default_factory=list)  # generated, EOS included
     text: str = ""  # decoded so far (before any stop truncation)
     emitted: int = 0  # characters of text already sent
@@ -82,6 +92,7 @@ class Sequence:
     admitted: int = 0  # admission order: when pages run out, the newest give theirs back
     done: bool = False  # finished or aborted (it may still hold a row of the step in flight)
     gap_freed_to: int = 0  # R-SWA: its pages before this index, past its prompt's, are given back
+    text_ends: list[int] = field(default_factory=list)  # with a loop detector: len(text) after each token
 
     def context(self) -> list[int]:
         """The tokens its cache holds: the prompt and all generated but the pending one."""

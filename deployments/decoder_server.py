@@ -149,8 +149,11 @@ class DecoderServer:
 
     @staticmethod
     def _as_dict(delta) -> dict:
-        return {"text": delta.text, "finished": delta.finished, "finish_reason": delta.finish_reason,
-                "prompt_tokens": delta.prompt_tokens, "completion_tokens": delta.completion_tokens}
+        out = {"text": delta.text, "finished": delta.finished, "finish_reason": delta.finish_reason,
+               "prompt_tokens": delta.prompt_tokens, "completion_tokens": delta.completion_tokens}
+        if delta.repetition is not None:  # a loop ended it (decoder/repetition.py)
+            out["repetition"] = delta.repetition
+        return out
 
     def _record_latency(self, request, delta, arrived: float, first: float | None, done: float) -> dict:
         """Queue, prefill, time to first token and time per output token of a finished request

@@ -103,6 +103,7 @@ class ChatRequest(_Strict):
     output_format: str | None = None
     return_crops: bool | None = None
     timeout_s: float | None = None
+    repetition_guard: dict | None = None
 
     @classmethod
     def parse(cls, body) -> ChatRequest:
@@ -162,7 +163,7 @@ class ChatRequest(_Strict):
                    "skip_special_tokens": self.skip_special_tokens, "mode": self.mode,
                    "max_crops": self.max_crops, "prompt_preset": self.prompt_preset, "ref": self.ref,
                    "output_format": self.output_format, "return_crops": self.return_crops,
-                   "timeout_s": self.timeout_s, "model": self.model}
+                   "timeout_s": self.timeout_s, "model": self.model, "repetition_guard": self.repetition_guard}
         if self.vllm_xargs is not None:
             x = self.vllm_xargs
             options["ngram"] = {"enabled": False} if not x.ngram_size else {
@@ -194,7 +195,7 @@ def completion(request_id: str, model: str, ocr: dict) -> dict:
                          "finish_reason": FINISH_REASONS.get(ocr["finish_reason"], ocr["finish_reason"]),
                          "logprobs": None}],
             "usage": {**usage(ocr["usage"]), "image_tokens": ocr["usage"]["image_tokens"]}}
-    for extension in ("warning", "blocks", "pages", "failed_pages"):
+    for extension in ("warning", "blocks", "pages", "failed_pages", "repetition"):
         if extension in ocr:
             body[extension] = ocr[extension]
     return body

@@ -26,7 +26,7 @@ USAGE_KEYS = ("prompt_tokens", "image_tokens", "completion_tokens")
 def page_entry(index: int, result: dict, size: tuple[int, int]) -> dict:
     entry = {"index": index, "text": result["text"], "finish_reason": result["finish_reason"],
              "usage": result["usage"], "width": size[0], "height": size[1], "error": None}
-    for extra in ("markdown", "blocks"):
+    for extra in ("markdown", "blocks", "repetition"):
         if extra in result:
             entry[extra] = result[extra]
     return entry
@@ -76,8 +76,10 @@ def document_response(entries: list[dict], model: dict) -> dict:
 
 
 def finish_reason(entries: list[dict]) -> str:
-    """A document's finish reason in one word: `length` when any page ran to max_tokens."""
-    return "length" if any(e["finish_reason"] == "length" for e in entries) else "stop"
+    """A document's finish reason in one word: `length` when any page ran to max_tokens, else
+    `repetition` when any page looped, else `stop`."""
+    reasons = {e["finish_reason"] for e in entries}
+    return "length" if "length" in reasons else "repetition" if "repetition" in reasons else "stop"
 
 
 async def as_deltas(entries):

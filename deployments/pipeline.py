@@ -119,6 +119,8 @@ class OcrPipeline:
                               "image_tokens": sum(s.shape[0] for s in seqs),
                               "completion_tokens": result["completion_tokens"]},
                     "timings": timings}
+        if "repetition" in result:  # the loop detector ended it: where, and the text before it
+            response["repetition"] = result["repetition"]
         if options.output_format == "markdown":  # DeepSeek's clean-up of the grounding tags
             response["text"] = to_markdown(result["text"], page)
         elif options.output_format == "blocks":  # boxes in pixels of the (one) original image

@@ -19,7 +19,7 @@ import pydantic
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from decoder import NGramConfig, SamplingParams
+from decoder import NGramConfig, RepetitionGuard, SamplingParams
 from decoder.config import DecoderArgs
 from decoder.engine import MAX_TEMPERATURE
 from decoder.tokenizer import PROMPT_PRESETS, count_image_tags
@@ -114,6 +114,22 @@ class NGramOptions(BaseModel):
                            include_prompt=default.include_prompt)
 
 
+class RepetitionGuardOptions(BaseModel):
+    """The loop detector of one request (`decoder.RepetitionGuard`: its defaults, its limits);
+    `{"enabled": false}` turns it off."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    enabled: bool = RepetitionGuard.enabled
+    min_tokens: int = RepetitionGuard.min_tokens
+    varied_tokens: int = RepetitionGuard.varied_tokens
+    max_period: int = RepetitionGuard.max_period
+    similarity: float = RepetitionGuard.similarity
+    min_repeats: int = RepetitionGuard.min_repeats
+
+    def config(self) -> RepetitionGuard:
+        return RepetitionGuard(**self.model_dump())
+
+
 class OcrOptions(BaseModel):
     """Everything a request may set besides its images. Unknown fields are refused."""
 
@@ -127,6 +143,7 @@ class OcrOptions(BaseModel):
     max_tokens: int = Field(MAX_NEW_TOKENS, ge=1, le=MAX_NEW_TOKENS)
     stop: str | list[str] = []
     ngram: NGramOptions = NGramOptions()
+    repetition_guard: RepetitionGuardOptions = RepetitionGuardOptions()  # loops end as "repetition"
     temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE)  # greedy by default
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = None
@@ -171,6 +188,8 @@ class OcrOptions(BaseModel):
                 raise FieldError(name, f"{name} is not valid Unicode (lone surrogate at {e.start})") from None
         with about("ngram"):
             self.ngram.config()
+        with about("repetition_guard"):
+            self.repetition_guard.config()
         with about("stop"):
             self.sampling()
         return self
@@ -185,6 +204,7 @@ class OcrOptions(BaseModel):
         (what `ngram` leaves unset)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         return SamplingParams(max_tokens=self.max_tokens, stop=stop, ngram=self.ngram.config(ngram_default),
+                              repetition=self.repetition_guard.config(),
                               temperature=self.temperature, top_p=self.top_p, seed=self.seed,
                               skip_special_tokens=self.skip_special_tokens)
 

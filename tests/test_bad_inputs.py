@@ -145,6 +145,10 @@ BAD = {
     "ngram-enabled-no": (lambda: {"image": "PNG", "ngram": {"enabled": "no"}}, 400, "ngram.enabled", "ngram.enabled"),
     "ngram-window-too-small": (lambda: {"image": "PNG", "ngram": {"ngram_size": 40, "window": 20}}, 400, "window 20",
                                "ngram"),
+    "repetition-guard-too-low": (lambda: {"image": "PNG", "repetition_guard": {"min_tokens": 2}}, 400,
+                                 "min_tokens must be an integer in [16, 32768]", "repetition_guard"),
+    "repetition-guard-unknown": (lambda: {"image": "PNG", "repetition_guard": {"period": 5}}, 400, "unknown field",
+                                 "repetition_guard.period"),
     "1mb-prompt": (lambda: {"image": "PNG", "prompt": "<image>" + "x" * 1_000_000}, 400, "context holds 2048", None),
     "over-the-context": (lambda: {"images": [a4()] * 3, "prompt": "<image>" * 3}, 400, "context holds 2048", None),
     "json-array-body": (lambda: ("application/json", b"[1, 2]"), 400, "must be an object", None),
@@ -244,6 +248,9 @@ def test_form_fields_that_would_break_the_parser_answer_400_naming_them(app):
         assert_clean_error(response, 400, "ngram nests deeper than 32 levels", "ngram")
         response = requests.post(OCR, files=source, data={"ngram": "{bad", "max_tokens": "1"}, timeout=300)
         assert_clean_error(response, 400, "ngram must be a JSON object", "ngram")
+        response = requests.post(OCR, files=source, data={"repetition_guard": '{"similarity": 2}', "max_tokens": "1"},
+                                 timeout=300)
+        assert_clean_error(response, 400, "similarity must be in [0.5, 1]", "repetition_guard")
     parts = [("images", (f"{i}.png", png, "image/png")) for i in range(2_000)]
     response = requests.post(OCR, files=parts, timeout=300)
     assert_clean_error(response, 400, "more than 16 images in one request (max_images_per_request)", "images")
