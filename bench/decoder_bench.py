@@ -24,7 +24,9 @@ launched eagerly: DEEPSEEK_OCR_PREFILL_GRAPHS=0, the twin of the prefill graphs)
 `decode_graphs_fp8_kv` (the KV cache in 8-bit floats, `kv_cache_dtype="fp8"`, with its logits'
 error against the model dtype's cache; the bound stays the model dtype's bytes);
 `decode_graphs_picks_first` (each decode step's picks read before the next is launched:
-DEEPSEEK_OCR_OVERLAP_PICKS=0, the twin of the overlapped picks). `--code DIR`
+DEEPSEEK_OCR_OVERLAP_PICKS=0, the twin of the overlapped picks); `decode_graphs_no_repetition_guard`
+(every request's loop detector off, `repetition_guard: {"enabled": false}`: the detector's cost
+is the default's difference from it; random weights do not loop, so it only watches). `--code DIR`
 imports the decoder package from DIR instead (an older checkout, for an A/B in one run on one
 machine).
 
@@ -133,7 +135,7 @@ def main(argv=None):
                                  "decode_graphs_torch_rope", "decode_graphs_unfused_routing",
                                  "decode_graphs_torch_norm", "decode_graphs_prefill_first",
                                  "decode_graphs_eager_prefill", "decode_graphs_picks_first",
-                                 "decode_graphs_fp8_kv"])
+                                 "decode_graphs_fp8_kv", "decode_graphs_no_repetition_guard"])
     parser.add_argument("--code", help="import the decoder package from this directory")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per concurrency "
                         "(median; default 3, --smoke 1)")
@@ -294,6 +296,10 @@ def make_engine(model, tokenizer, variant: str, max_batch: int, max_len: int):
         model.use_norm_kernel("torch" if variant == "decode_graphs_torch_norm" else "auto")
     if hasattr(model, "use_rope_kernel"):
         model.use_rope_kernel("torch" if variant == "decode_graphs_torch_rope" else "auto")
+    if variant == "decode_graphs_no_repetition_guard":  # every request's loop detector off
+        add = engine.add
+        engine.add = lambda request: add(dataclasses.replace(request, params=dataclasses.replace(
+            request.params, repetition=dataclasses.replace(request.params.repetition, enabled=False))))
     start = time.perf_counter()
     warm = GenerationRequest([0, 5, 6], params=SamplingParams(max_tokens=4, ignore_eos=True))
     engine.generate([warm])

@@ -69,8 +69,11 @@ def document_raw(pages: list[dict]) -> str:
 
 def document_json(source: str, sha256: str, model: str | None, pages: list[dict]) -> dict:
     keep = ("index", "width", "height", "finish_reason", "blocks", "error")
+    # A loop's place, and a text-layer answer's mark, where the server gave them.
+    extra = ("repetition", "source")
     return {"source": source, "sha256": sha256, "model": model,
-            "pages": [{name: page.get(name) for name in keep} for page in pages]}
+            "pages": [{**{name: page.get(name) for name in keep}, **{name: page[name] for name in extra if name in page}}
+                      for page in pages]}
 
 
 def write_document(out_dir: str, output: str, state: dict, crops: list[tuple[str, bytes]],

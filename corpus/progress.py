@@ -25,6 +25,9 @@ class Outcome:
     pages_done: int = 0  # pages OCR'd in this run
     pages_failed: list[int] = field(default_factory=list)
     truncated: int = 0  # pages kept although they hit the token limit
+    retried: int = 0  # pages generated again after a loop
+    looped: int = 0  # pages whose every attempt looped (kept, as the server answered them)
+    text_layer: int = 0  # pages answered with their PDF text layer after every attempt failed
     reason: str | None = None  # why it (or its pages) failed
 
 
@@ -98,6 +101,11 @@ class Progress:
         truncated = sum(o.truncated for o in self.outcomes)
         if truncated:
             line += f"; {_count(truncated, 'page')} truncated (hit the token limit, kept)"
+        for count, what in ((sum(o.retried for o in self.outcomes), "retried after a loop"),
+                            (sum(o.looped for o in self.outcomes), "looped on every attempt (kept)"),
+                            (sum(o.text_layer for o in self.outcomes), "answered with their text layer")):
+            if count:
+                line += f"; {_count(count, 'page')} {what}"
         if self.skipped:
             line += f"; {self.skipped} skipped (done before)"
         lines = [line]

@@ -224,13 +224,19 @@ class Worker:
         failed = [p for p in pages if p.get("error")]
         status = "done" if not failed else "partial" if len(failed) < len(pages) else "failed"
         truncated = [p["index"] for p in answered if p.get("finish_reason") == "length"]
+        # Loops (the server's repetition guard): pages retried, still looping, or answered with
+        # their PDF's text layer.
+        retried = [p["index"] for p in answered if len((p.get("usage") or {}).get("attempts") or ()) > 1]
+        text_layer = [p["index"] for p in answered if p.get("source") == "text_layer"]
+        looped = [p["index"] for p in answered if p.get("finish_reason") == "repetition" and p["index"] not in text_layer]
         reason = error_text(failed[0]["error"]) if failed else None
         self.manifest.append(self._record(job, status, reason, pages=len(pages), model=state["model"],
                                           failed_pages=[p["index"] for p in failed],
-                                          truncated_pages=truncated))
+                                          truncated_pages=truncated, retried_pages=retried,
+                                          looped_pages=looped, text_layer_pages=text_layer))
         return Outcome(job.input.path, status, pages_done=sum(not p.get("error") for p in answered),
                        pages_failed=[p["index"] for p in failed], truncated=len(truncated),
-                       reason=reason)
+                       retried=len(retried), looped=len(looped), text_layer=len(text_layer), reason=reason)
 
     def _record_failure(self, job: Job, reason: str) -> Outcome:
         self.manifest.append(self._record(job, "failed", reason))

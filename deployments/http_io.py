@@ -60,7 +60,7 @@ SOURCE_FIELDS = ("image", "images", "document")  # the same names in JSON and in
 
 
 # Options whose value is a JSON object: in a form, sent as JSON text.
-JSON_FORM_FIELDS = ("ngram", "repetition_guard")
+JSON_FORM_FIELDS = ("ngram", "repetition_guard", "retry")
 # A form's text fields besides its images: every option, with room to spare; more is an attack on
 # the parser (each part is parsed and held before any check of ours runs).
 MAX_OPTION_FIELDS = 64

@@ -36,10 +36,17 @@ def router_metrics() -> dict:
         "stage": Histogram("ocr_stage_latency_ms", "router stages: preprocess (until the crops are "
                            "ready), encode (both paths answered), assemble, decode",
                            boundaries=MS_BUCKETS, tag_keys=("stage", "model")),
-        "tokens": Counter("ocr_tokens", "tokens by kind: image, prompt, completion",
-                          tag_keys=("kind", "model")),
-        "finish": Counter("ocr_finish_reasons", "finished generations by reason (eos, stop, length: "
-                          "a page that ran to max_tokens)", tag_keys=("reason", "model")),
+        "tokens": Counter("ocr_tokens", "tokens by kind: image, prompt, completion (every attempt's), "
+                          "lost_attempts (of attempts that did not answer)", tag_keys=("kind", "model")),
+        "finish": Counter("ocr_finish_reasons", "answers by final finish reason (eos, stop, length: "
+                          "a page that ran to max_tokens, repetition: it looped, every retry too)",
+                          tag_keys=("reason", "model")),
+        "repetitions": Counter("ocr_repetition_detections", "attempts the loop detector ended",
+                               tag_keys=("model",)),
+        "retries": Counter("ocr_retries", "attempts made again after a loop (or max_tokens, when asked)",
+                           tag_keys=("model",)),
+        "fallbacks": Counter("ocr_text_layer_fallbacks", "PDF pages answered with their text layer "
+                             "after every attempt failed", tag_keys=("model",)),
     }
 
 

@@ -44,7 +44,7 @@ from encoder.preprocess import preprocess
 
 from .config import AppConfig
 from .model_source import resolve_checkpoint
-from .pipeline import check_pages_per_request
+from .pipeline import check_pages_per_request, failed, text_layer
 from .protocol import BadRequest, OcrOptions, validate
 
 PDF_MAGIC = b"%PDF-"
@@ -55,6 +55,7 @@ NO_VIEWS = np.zeros((0, 3, 0, 0), np.uint8)  # an unread row's global views
 NO_CROPS = np.zeros((0, 3, 0, 0), np.uint8)  # an untiled page's crops
 NO_SIZES = np.zeros((0, 2), np.int64)  # an unread row's page sizes
 NOT_WRITTEN = np.zeros(1, np.uint8)  # a row of one page, not written before
+NO_TEXT = [""]  # an image's text layer: none
 NO_TOKENS = {"global": np.zeros((0, 0), np.float32), "local": np.zeros((0, 0, 0), np.float32),
              "sequence": np.zeros((0, 0, 0), np.float32)}  # a path's tokens where it has none
 # Between stages a page's `error` is "" when it has none (a column of Nones would come back as
@@ -149,12 +150,13 @@ def pages_of(row: dict, dpi: int, max_pages: int, skip: frozenset = frozenset(),
     cannot be opened is one row with its error. Each row names its file's content
     (`content_sha256`); the pages in `skip` ((content, page): done before) are left out
     unrendered, and a window with some of them is done whole, those pages flagged in `written`
-    and left out of its result rows."""
+    and left out of its result rows. A PDF page's text layer goes along (`text_layers`): the
+    answer of a page whose every attempt looped."""
     data = row["bytes"]
     base = {"source": row.get("path") or "", "content_sha256": hashlib.sha256(data).hexdigest(),
             "max_tokens": int(row.get("max_tokens") or 0),  # 0: the run's
             "page": 0, "pages": 1, "window": False, "written": NOT_WRITTEN, "bytes": b"",
-            "pixels": NO_PIXELS, "sizes": NO_SIZES, "error": ""}
+            "pixels": NO_PIXELS, "sizes": NO_SIZES, "text_layers": NO_TEXT, "error": ""}
     if bytes(data[:len(PDF_MAGIC)]) != PDF_MAGIC:
         if (base["content_sha256"], 0) not in skip:
             yield {**base, "bytes": data}
@@ -178,7 +180,7 @@ def pages_of(row: dict, dpi: int, max_pages: int, skip: frozenset = frozenset(),
             except DocumentError as e:  # this page (its window) alone
                 yield {**unit, "error": f"page: {e}"}
                 continue
-            yield {**unit, "pixels": pixels, "sizes": sizes}
+            yield {**unit, "pixels": pixels, "sizes": sizes, "text_layers": [text_layer(pdf, index) for index in window]}
 
 
 def stacked(pages: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -222,7 +224,7 @@ def views_of(batch: dict, checkpoint: str | None, mode: str, max_crops: int) -> 
         out["num_tokens"].append(np.array([item.num_tokens for item in items], np.int64))
         out["error"].append("")  # (not None: a column of Nones is read back as NaNs)
     keep = {key: batch[key] for key in ("source", "content_sha256", "page", "pages", "window", "written",
-                                        "max_tokens")}
+                                        "text_layers", "max_tokens")}
     return {**keep, **out}
 
 
@@ -284,14 +286,15 @@ class Decode:
         self.server = DecoderServer.func_or_class(config)
         self.pipeline = pipeline_of(config, Encoded(tiling), self.server)
         self.options = options
-        self.columns = ("text", "finish_reason", "prompt_tokens", "image_tokens", "completion_tokens", "error",
+        self.columns = ("text", "text_source", "finish_reason", "prompt_tokens", "image_tokens",
+                        "completion_tokens", "attempts", "error",
                         *(("markdown", "blocks") if options.output_format == "blocks" else ()),
                         *(("window", "split") if options.pages_per_request > 1 else ()))
 
     async def __call__(self, batch: dict) -> dict:
         answers = await asyncio.gather(*(self.row(*row) for row in zip(
             batch["sequence"], batch["original_size"], batch["page"], batch["pages"], batch["window"],
-            batch["error"], batch["max_tokens"])))
+            batch["text_layers"], batch["error"], batch["max_tokens"])))
         out = {key: [] for key in ("source", "content_sha256", "page", *self.columns)}
         for i, pages in enumerate(answers):
             for k, answer in enumerate(pages):
@@ -304,9 +307,10 @@ class Decode:
                     out[key].append(answer.get(key))
         return out
 
-    async def row(self, sequences, sizes, page: int, pages: int, as_window: bool, error: str,
+    async def row(self, sequences, sizes, page: int, pages: int, as_window: bool, text_layers, error: str,
                   max_tokens: int) -> list[dict]:
-        """A row's pages' answers (result columns), in page order."""
+        """A row's pages' answers (result columns), in page order; a page whose every attempt
+        looped answers with its text layer, as the service's documents do."""
         from .placement import EncodedImage
         window = tuple(range(int(page), int(page) + int(pages)))
         if error:
@@ -317,21 +321,27 @@ class Decode:
                 OcrOptions, {**self.options.model_dump(), "max_tokens": int(max_tokens)}, strict=False)
             if as_window:
                 entries = await self.pipeline.window_entries(window, images, options)
-                return [{**entry["usage"], "text": entry["text"], "finish_reason": entry["finish_reason"],
-                         "error": None, "window": entry["window"], "split": entry["split"],
-                         **self.extras(entry)} for entry in entries]
-            answer = await self.pipeline.ocr(images, options, page=window[0])
+            else:
+                entries = [{**await self.pipeline.ocr(images, options, page=window[0]), "error": None}]
         except BadRequest as e:  # its max_tokens out of range, or its prompt over the context
             return [{"error": f"request: {e}", **self.window_columns(window)}] * len(window)
-        return [{**answer["usage"], "text": answer["text"], "finish_reason": answer["finish_reason"],
-                 "error": None, **self.window_columns(window), **self.extras(answer)}]
+        if options.text_layer_fallback:
+            entries = [self.pipeline.text_layer_entry(entry, text) if failed(entry, options) else entry
+                       for entry, text in zip(entries, text_layers)]
+        return [{**self.answered(entry), **({"window": entry["window"], "split": entry["split"]} if as_window
+                                              else self.window_columns(window))} for entry in entries]
 
     def window_columns(self, window: tuple[int, ...]) -> dict:
         """A window run's columns for a row that is not split (a page alone, an error)."""
         return {"window": list(window), "split": False} if self.options.pages_per_request > 1 else {}
 
     @staticmethod
-    def extras(answer: dict) -> dict:
-        """output_format "blocks": its markdown, and its blocks as a JSON string (one column
-        type whatever a page's blocks hold)."""
-        return {"markdown": answer["markdown"], "blocks": json.dumps(answer["blocks"])} if "blocks" in answer else {}
+    def answered(answer: dict) -> dict:
+        """A page's answer (or window entry) as result columns: its text, finish reason, usage,
+        the attempts it took (1 unless it looped and was retried); with output_format "blocks"
+        its markdown and its blocks as a JSON string (one column type whatever they hold)."""
+        usage = answer["usage"]
+        return {**{key: usage[key] for key in ("prompt_tokens", "image_tokens", "completion_tokens")},
+                "attempts": len(usage.get("attempts", [None])), "text": answer["text"],
+                "finish_reason": answer["finish_reason"], "text_source": answer.get("source", "ocr"), "error": None,
+                **({"markdown": answer["markdown"], "blocks": json.dumps(answer["blocks"])} if "blocks" in answer else {})}

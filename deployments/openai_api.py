@@ -104,6 +104,7 @@ class ChatRequest(_Strict):
     return_crops: bool | None = None
     timeout_s: float | None = None
     repetition_guard: dict | None = None
+    retry: dict | None = None
 
     @classmethod
     def parse(cls, body) -> ChatRequest:
@@ -163,7 +164,8 @@ class ChatRequest(_Strict):
                    "skip_special_tokens": self.skip_special_tokens, "mode": self.mode,
                    "max_crops": self.max_crops, "prompt_preset": self.prompt_preset, "ref": self.ref,
                    "output_format": self.output_format, "return_crops": self.return_crops,
-                   "timeout_s": self.timeout_s, "model": self.model, "repetition_guard": self.repetition_guard}
+                   "timeout_s": self.timeout_s, "model": self.model, "repetition_guard": self.repetition_guard,
+                   "retry": self.retry}
         if self.vllm_xargs is not None:
             x = self.vllm_xargs
             options["ngram"] = {"enabled": False} if not x.ngram_size else {

@@ -16,6 +16,7 @@ A PDF's pages each go through 2-5 as their own request, a window of pages at a t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -83,6 +84,24 @@ def check_pages_per_request(options: OcrOptions, max_images: int) -> int:
     return per_request
 
 
+def needs_retry(result: dict, options: OcrOptions) -> bool:
+    """Whether an answer did not end cleanly: it looped, or (`retry.on_length`) ran to max_tokens."""
+    return result["finish_reason"] == "repetition" or (options.retry.on_length and result["finish_reason"] == "length")
+
+
+def text_layer(pdf: PdfDocument, index: int) -> str:
+    """A page's text layer; "" when it has none or it cannot be read."""
+    try:
+        return pdf.text(index)
+    except DocumentError:
+        return ""
+
+
+def failed(entry: dict, options: OcrOptions) -> bool:
+    """Whether a document page's entry failed: it errored, or every attempt did not end cleanly."""
+    return entry["error"] is not None or needs_retry(entry, options)
+
+
 class OcrPipeline:
     def __init__(self, encoder, decoder, tokenizer, language: DecoderArgs | None, config: AppConfig,
                  model_fields: dict):
@@ -109,7 +128,7 @@ class OcrPipeline:
         arrived = arrived or protocol.REQUEST_ARRIVED.get() or time.perf_counter()
         ids, seqs, timings, sizes = await self._encode_prompt(images, options)
         start = time.perf_counter()
-        result = await self.decoder.generate(ids, seqs, self._sampling(options, len(images)))
+        result = await self._generate(ids, seqs, options, len(images))
         timings["decode_ms"] = (time.perf_counter() - start) * 1e3
         timings.update(result.get("timings", {}))  # the decoder's own stages
         self._record_generation(result, seqs, timings["decode_ms"])
@@ -117,7 +136,8 @@ class OcrPipeline:
                     **self.model_fields,
                     "usage": {"prompt_tokens": result["prompt_tokens"],
                               "image_tokens": sum(s.shape[0] for s in seqs),
-                              "completion_tokens": result["completion_tokens"]},
+                              "completion_tokens": result["completion_tokens"],
+                              **({"attempts": result["attempts"]} if "attempts" in result else {})},
                     "timings": timings}
         if "repetition" in result:  # the loop detector ended it: where, and the text before it
             response["repetition"] = result["repetition"]
@@ -189,14 +209,31 @@ class OcrPipeline:
                     async for unit, outcome in results:
                         for index in unit if isinstance(unit, tuple) else (unit,):
                             if isinstance(outcome, BaseException):
-                                yield pages.failed_page(index, outcome, log)
+                                entry = pages.failed_page(index, outcome, log)
                             elif isinstance(unit, tuple):
-                                yield outcome[unit.index(index)]
+                                entry = outcome[unit.index(index)]
                             else:
-                                yield pages.page_entry(index, *outcome)
+                                entry = pages.page_entry(index, *outcome)
+                            if options.text_layer_fallback and failed(entry, options):
+                                entry = self.text_layer_entry(entry, await asyncio.to_thread(text_layer, pdf, index))
+                            yield entry
             finally:
                 await asyncio.to_thread(pdf.close)
         return entries()
+
+    def text_layer_entry(self, entry: dict, text: str) -> dict:
+        """A page whose every attempt failed, answered with its PDF text layer (`text`) when it
+        has one (`source: "text_layer"`; the OCR's finish reason kept, or its error as
+        `ocr_error`); without one, as it was."""
+        if not text.strip():
+            return entry
+        router_metrics()["fallbacks"].inc(tags=self.model_tag)
+        out = {**entry, "text": text, "source": "text_layer", "error": None}
+        if entry["error"] is not None:
+            out.update(ocr_error=entry["error"], usage=dict.fromkeys(pages.USAGE_KEYS, 0))
+        if "blocks" in entry:  # the OCR's blocks were the failed attempt's
+            out.update(blocks=[], markdown=text)
+        return out
 
     async def window_entries(self, window: tuple[int, ...], images: list, options: OcrOptions) -> list[dict]:
         """A window of pages as one request (a caller's prompt gets its one <image> tag once per
@@ -253,6 +290,35 @@ class OcrPipeline:
                              f"images, or a smaller mode or max_crops")
         seqs, timings = await self._encode(prepared)
         return ids, seqs, timings, [p.original_size for p in prepared]
+
+    async def _generate(self, ids: list[int], seqs: list, options: OcrOptions, num_images: int) -> dict:
+        """The decoder's answer; one that looped (or, `retry.on_length`, ran to max_tokens) is
+        generated again at each retry temperature in turn, seeded, until an attempt ends
+        cleanly: that one answers, else the first. With retries, `completion_tokens` counts
+        every attempt's tokens and `attempts` lists them."""
+        params = self._sampling(options, num_images)
+        result = first = await self.decoder.generate(ids, seqs, params)
+        attempts = [{"temperature": params.temperature, "finish_reason": result["finish_reason"],
+                     "completion_tokens": result["completion_tokens"]}]
+        for number, temperature in enumerate(options.retry.temperatures, 1):
+            if not needs_retry(result, options):
+                break
+            retried = dataclasses.replace(params, temperature=temperature, seed=(options.seed or 0) + number)
+            result = await self.decoder.generate(ids, seqs, retried)
+            attempts.append({"temperature": temperature, "finish_reason": result["finish_reason"],
+                             "completion_tokens": result["completion_tokens"]})
+        metrics = router_metrics()
+        looped = sum(a["finish_reason"] == "repetition" for a in attempts)
+        if looped:
+            metrics["repetitions"].inc(looped, tags=self.model_tag)
+        if len(attempts) == 1:
+            return result
+        metrics["retries"].inc(len(attempts) - 1, tags=self.model_tag)
+        if needs_retry(result, options):  # none ended cleanly: the greedy answer stands
+            result = first
+        lost = sum(a["completion_tokens"] for a in attempts) - result["completion_tokens"]
+        metrics["tokens"].inc(lost, tags={"kind": "lost_attempts", **self.model_tag})
+        return {**result, "completion_tokens": sum(a["completion_tokens"] for a in attempts), "attempts": attempts}
 
     def _sampling(self, options: OcrOptions, num_images: int):
         """The request's decoder parameters, its n-gram rule completed by this model's own."""

@@ -130,6 +130,28 @@ class RepetitionGuardOptions(BaseModel):
         return RepetitionGuard(**self.model_dump())
 
 
+MAX_RETRIES = 8
+
+
+class RetryOptions(BaseModel):
+    """A page that loops (`finish_reason` "repetition"; with `on_length` also one that ran to
+    max_tokens) is generated again at each of `temperatures` in turn, seeded (the request's
+    seed, else 0, plus the attempt's number: a rerun gives the same answer), until an attempt
+    ends cleanly; `[]` turns retries off."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    temperatures: list[float] = Field([0.3, 0.6], max_length=MAX_RETRIES)
+    on_length: bool = False
+
+    @pydantic.field_validator("temperatures")
+    @classmethod
+    def _in_range(cls, temperatures: list[float]) -> list[float]:
+        for t in temperatures:
+            if not 0 < t <= MAX_TEMPERATURE:
+                raise ValueError(f"each retry temperature must be in (0, {MAX_TEMPERATURE}], got {t}")
+        return temperatures
+
+
 class OcrOptions(BaseModel):
     """Everything a request may set besides its images. Unknown fields are refused."""
 
@@ -144,6 +166,9 @@ class OcrOptions(BaseModel):
     stop: str | list[str] = []
     ngram: NGramOptions = NGramOptions()
     repetition_guard: RepetitionGuardOptions = RepetitionGuardOptions()  # loops end as "repetition"
+    retry: RetryOptions = RetryOptions()  # such pages generated again (not streams: sent text stays sent)
+    # documents: a page whose every attempt failed (looped, errored) answers with its PDF text layer
+    text_layer_fallback: bool = True
     temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE)  # greedy by default
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = None

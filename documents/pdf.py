@@ -140,6 +140,31 @@ class PdfDocument:
             finally:
                 pdfium_c.FPDF_ClosePage(page)
 
+    def text(self, index: int) -> str:
+        """Page `index`'s text layer: the text the PDF itself holds (pdfium's text page, in its
+        reading order), "" for a page without one (a scan)."""
+        self._check_index(index)
+        with _PDFIUM_LOCK:
+            page = pdfium_c.FPDF_LoadPage(self._open(), index)
+            if not page:
+                raise _unreadable_page(index)
+            try:
+                text_page = pdfium_c.FPDFText_LoadPage(page)
+                if not text_page:
+                    return ""
+                try:
+                    count = pdfium_c.FPDFText_CountChars(text_page)
+                    if count <= 0:
+                        return ""
+                    buffer = ctypes.create_string_buffer(2 * (count + 1))  # UTF-16, and its NUL
+                    written = pdfium_c.FPDFText_GetText(text_page, 0, count,
+                                                        ctypes.cast(buffer, ctypes.POINTER(ctypes.c_ushort)))
+                    return buffer.raw[:2 * max(0, written - 1)].decode("utf-16-le", errors="replace")
+                finally:
+                    pdfium_c.FPDFText_ClosePage(text_page)
+            finally:
+                pdfium_c.FPDF_ClosePage(page)
+
     def close(self) -> None:
         with _PDFIUM_LOCK:
             if self._handle is not None:

@@ -552,3 +552,33 @@ def test_the_client_imports_only_the_standard_library():
                 elif isinstance(node, ast.ImportFrom) and not node.level:
                     found.add(node.module.split(".")[0])
     assert found and found <= set(sys.stdlib_module_names) | {"__future__"}, found - set(sys.stdlib_module_names)
+
+
+def test_loops_are_counted_per_document_in_the_manifest_and_the_summary(tmp_path):
+    """A document answered with a page retried after a loop, one that looped on every attempt
+    and one answered with its text layer: the manifest lists each, the outcome and the
+    summary count them, the JSON keeps the loop's place and the text layer's mark."""
+    from corpus.inputs import Input
+    from corpus.manifest import Manifest, StateStore
+    from corpus.run import Job, RunOptions, Worker
+    attempts = [{"temperature": 0.0, "finish_reason": "repetition", "completion_tokens": 300},
+                {"temperature": 0.3, "finish_reason": "eos", "completion_tokens": 90}]
+    loop = {"start_token": 40, "period": 12, "text_chars": 120}
+    pages = [{**page_answer("d" * 64, 0, "stop"), "usage": {"prompt_tokens": 10, "completion_tokens": 390, "attempts": attempts}},
+             {**page_answer("d" * 64, 1, "repetition"), "repetition": loop},
+             {**page_answer("d" * 64, 2, "repetition"), "repetition": loop, "source": "text_layer"}]
+    out = str(tmp_path)
+    worker = Worker(None, Manifest(out), StateStore(out), RunOptions(), out)
+    outcome = worker._finish(Job(Input(str(tmp_path / "doc.pdf"), "doc"), "d" * 64, "key", 3),
+                             {"model": "m", "pages": pages, "failed_pages": []})
+    assert (outcome.status, outcome.retried, outcome.looped, outcome.text_layer) == ("done", 1, 1, 1)
+    [record] = manifest(tmp_path)
+    assert (record["retried_pages"], record["looped_pages"], record["text_layer_pages"]) == ([0], [1], [2])
+    written = json.loads(read_text(tmp_path / "doc.json"))["pages"]
+    assert "repetition" not in written[0] and written[1]["repetition"] == loop and written[2]["source"] == "text_layer"
+    log = io.StringIO()
+    progress = Progress(documents=1, estimated_pages=3, skipped=0, stream=log)
+    progress.finished(outcome, estimate=3)
+    progress.finish()
+    assert ("1 page retried after a loop; 1 page looped on every attempt (kept); "
+            "1 page answered with their text layer") in log.getvalue()

@@ -73,13 +73,19 @@ def test_page_range_dpi_and_blocks(serve_app):
 
 
 def test_a_failing_page_does_not_fail_the_document(serve_app):
+    """Its error in its entry (`text_layer_fallback` off); by default its PDF text layer
+    answers for it, the error kept as `ocr_error`."""
     pdf = with_oversized_page(make_pdf(3, size=SMALL), at=1)
-    body = post({"document": b64(pdf), "max_tokens": 2}).json()
+    body = post({"document": b64(pdf), "max_tokens": 2, "text_layer_fallback": False}).json()
     assert body["failed_pages"] == [1]
     failed = body["pages"][1]
     assert failed["error"]["type"] == "invalid_request" and "pixels" in failed["error"]["message"]
     assert failed["text"] is None
     assert [p["error"] for p in body["pages"][::2]] == [None, None]
+    body = post({"document": b64(pdf), "max_tokens": 2}).json()
+    layered = body["pages"][1]
+    assert body["failed_pages"] == [] and (layered["source"], layered["error"]) == ("text_layer", None)
+    assert layered["text"] == "Page 0" and layered["ocr_error"] == failed["error"]  # the inserted page's own text
 
 
 @pytest.mark.parametrize("make, status, words", [

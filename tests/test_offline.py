@@ -55,7 +55,7 @@ def test_a_row_s_own_max_tokens_is_checked_as_the_run_s():
     decode = Decode(AppConfig(max_len=2048), validate(OcrOptions, {"max_tokens": 5, "mode": "tiny"}, strict=False))
     hidden = decode.server.engine.engine.model.args.hidden
     rows = {"source": ["a.png"] * 3, "content_sha256": ["x"] * 3, "page": [0, 0, 0], "pages": [1] * 3,
-            "window": [False] * 3, "written": [NOT_WRITTEN] * 3, "error": [""] * 3,
+            "window": [False] * 3, "written": [NOT_WRITTEN] * 3, "text_layers": [[""]] * 3, "error": [""] * 3,
             "sequence": [np.zeros((1, 73, hidden), np.float32)] * 3, "original_size": [np.array([(64, 48)])] * 3,
             "max_tokens": [-3, 2, 0]}
     out = asyncio.run(decode(rows))

@@ -225,3 +225,100 @@ def test_sequences_that_do_not_loop_generate_exactly_what_they_do_with_the_detec
                                                ("ccc", NGramConfig(), 0.8))]
         return [(d.token_ids, d.text, d.finish_reason) for d in GenerationEngine(model, tokenizer, max_len=1024).generate(reqs)]
     assert run(GUARD) == run(OFF)
+
+
+# -- the retry ladder (deployments/pipeline.py), over a scripted decoder, no Serve ----------------
+class ScriptedDecoder:
+    """A decoder client answering with the finish reasons it is given, one per call in order."""
+
+    def __init__(self, *finishes: str):
+        self.finishes, self.calls = finishes, []
+
+    async def generate(self, ids, seqs, params):
+        self.calls.append(params)
+        reason = self.finishes[min(len(self.calls), len(self.finishes)) - 1]  # the last one from there on
+        if reason == "refused":
+            from deployments.protocol import BadRequest
+            raise BadRequest("refused by the script")
+        return {"text": f"attempt {len(self.calls)}", "finished": True, "finish_reason": reason,
+                "prompt_tokens": len(ids), "completion_tokens": 100 * len(self.calls),
+                **({"repetition": {"start_token": 5, "period": 3, "text_chars": 7}} if reason == "repetition" else {})}
+
+
+def answer(decoder: ScriptedDecoder, **options) -> dict:
+    import asyncio
+
+    from deployments.config import AppConfig
+    from deployments.offline import sequence_layout
+    from deployments.placement import Encoded, EncodedImage, pipeline_of
+    from deployments.protocol import OcrOptions, validate
+    pipeline = pipeline_of(AppConfig(), Encoded(sequence_layout(None)[0]), decoder)
+    image = EncodedImage(torch.zeros(73, pipeline.language.hidden), (64, 48))
+    return asyncio.run(pipeline.ocr([image], validate(OcrOptions, {"mode": "tiny", **options}, strict=False)))
+
+
+def test_a_page_that_loops_is_generated_again_at_rising_seeded_temperatures_until_one_ends_cleanly():
+    decoder = ScriptedDecoder("repetition", "repetition", "eos")
+    result = answer(decoder, seed=11)
+    assert [(p.temperature, p.seed) for p in decoder.calls] == [(0.0, 11), (0.3, 12), (0.6, 13)]
+    assert result["text"] == "attempt 3" and result["finish_reason"] == "eos" and "repetition" not in result
+    assert result["usage"]["completion_tokens"] == 100 + 200 + 300
+    assert [(a["temperature"], a["finish_reason"], a["completion_tokens"]) for a in result["usage"]["attempts"]] == [
+        (0.0, "repetition", 100), (0.3, "repetition", 200), (0.6, "eos", 300)]
+
+
+def test_when_no_attempt_ends_cleanly_the_first_answers_and_clean_pages_are_not_retried():
+    decoder = ScriptedDecoder("repetition", "repetition", "repetition")
+    result = answer(decoder)
+    assert [p.seed for p in decoder.calls][1:] == [1, 2]  # no seed given: 0 plus the attempt's number
+    assert result["text"] == "attempt 1" and result["finish_reason"] == "repetition" and result["repetition"]["period"] == 3
+    assert len(result["usage"]["attempts"]) == 3
+    for finishes, options in ((("eos",), {}), (("length",), {}), (("repetition",), {"retry": {"temperatures": []}})):
+        decoder = ScriptedDecoder(*finishes)
+        result = answer(decoder, **options)
+        assert len(decoder.calls) == 1 and "attempts" not in result["usage"]
+    decoder = ScriptedDecoder("length", "stop")
+    result = answer(decoder, retry={"temperatures": [0.5], "on_length": True})  # opted in
+    assert result["finish_reason"] == "stop" and [p.temperature for p in decoder.calls] == [0.0, 0.5]
+
+
+@pytest.mark.parametrize("retry, message", [({"temperatures": [0.0]}, "in (0, 2.0]"),
+                                            ({"temperatures": [0.3] * 9}, "at most 8"),
+                                            ({"after": 1}, "unknown field")])
+def test_bad_retry_settings_are_refused_naming_the_field(retry, message):
+    from deployments.protocol import BadRequest, OcrOptions, validate
+    with pytest.raises(BadRequest, match=re.escape(message)) as refused:
+        validate(OcrOptions, {"retry": retry})
+    assert refused.value.param.startswith("retry")
+
+
+@pytest.mark.parametrize("finish", ["repetition", "refused"])
+def test_a_pdf_page_whose_every_attempt_failed_answers_with_its_text_layer_when_it_has_one(finish):
+    """Looped on every attempt (or refused): a page with a text layer answers with it (marked,
+    the OCR's finish reason or error kept); one without keeps the OCR's answer; opted out, none."""
+    import asyncio
+
+    from deployments.config import AppConfig
+    from deployments.placement import WholeImages, pipeline_of
+    from deployments.protocol import Document, OcrOptions, validate
+    from tests.pdfs import make_pdf
+    config = AppConfig(max_len=2048)
+    pipeline = pipeline_of(config, WholeImages.in_process(config), ScriptedDecoder(finish))
+
+    async def pages_of(pdf: bytes, **options) -> list[dict]:
+        options = validate(OcrOptions, {"mode": "tiny", "retry": {"temperatures": [0.5]}, **options}, strict=False)
+        return (await pipeline.document(Document(pdf), options))["pages"]
+
+    async def all_three():  # one event loop: the in-process encoder's queue lives on it
+        return (await pages_of(make_pdf(2)), await pages_of(make_pdf(2, text=False)),
+                await pages_of(make_pdf(2), text_layer_fallback=False))
+    layered, scanned, opted_out = asyncio.run(all_three())
+    for page in layered:
+        assert (page["text"], page["source"], page["error"]) == (f"Page {page['index']}", "text_layer", None)
+        if finish == "repetition":
+            assert page["finish_reason"] == "repetition" and len(page["usage"]["attempts"]) == 2
+        else:
+            assert page["ocr_error"]["type"] == "invalid_request" and page["usage"]["completion_tokens"] == 0
+    for page in scanned + opted_out:
+        assert "source" not in page
+        assert page["error"] is not None if finish == "refused" else page["text"].startswith("attempt")
