@@ -15,7 +15,9 @@ pipeline of Ray Data operators, each running the code its deployment runs.
 `ocr_dataset(ds, ...)` takes any dataset with a `bytes` column (and `path`, kept as `source`;
 `max_tokens`, a row's own cap on each of its pages' tokens, 0 or none: the run's) and returns
 one row per page: {source, content_sha256 (the file's), page, text (markdown with
-output_format "markdown"), finish_reason, prompt_tokens, image_tokens, completion_tokens, error},
+output_format "markdown"), text_source ("ocr", or "text_layer": a PDF page whose every attempt
+looped), finish_reason, prompt_tokens, image_tokens, completion_tokens (every attempt's),
+attempts, error},
 and with output_format "blocks" also `markdown` and `blocks` (the service's blocks, boxes in the
 page's pixels, as a JSON string: one column type whatever a page's blocks hold). With
 `pages_per_request` > 1 (base mode) a PDF's pages go through in windows of that many, each

@@ -92,6 +92,8 @@ def test_chat_and_ocr_prompt_ids_are_deepseeks_template():
     ({"messages": user(image_part()), "logprobs": True}, "logprobs"),
     ({"messages": user(image_part()), "temperature": 3}, "temperature"),
     ({"messages": user(image_part()), "vllm_xargs": {"ngram": 3}}, "vllm_xargs.ngram"),
+    ({"messages": user(image_part()), "repetition_guard": {"max_period": 0}}, "repetition_guard"),
+    ({"messages": user(image_part()), "retry": {"temperatures": [9]}}, "retry.temperatures"),
 ])
 def test_bad_chat_requests_name_the_field(body, param):
     with pytest.raises(BadRequest) as error:
