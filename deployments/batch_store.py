@@ -1,9 +1,9 @@
 """Batch jobs' durable state: uploaded files, batches and each line's answer (OpenAI's Files and
 Batch API, served by the Router: deployments/batches.py). Plain Python, no Ray.
 
-The state is SQL in SQLite (one file in WAL mode: the Router replicas of a node share it); the
-statements keep to what PostgreSQL also runs (a cluster's shared store, every Router replica and
-node seeing the same batches: not built yet). The files' bytes live beside it in `FileStorage`
+The state is SQL: in SQLite by default (one file in WAL mode: the Router replicas of a node
+share it), in PostgreSQL when the config names a URL (a cluster's shared store: every Router
+replica and node sees the same batches); the same statements run on both. The files' bytes live beside it in `FileStorage`
 (a directory, or any filesystem pyarrow opens by URI), the store holds their metadata.
 
 Exactly one worker drives a batch at a time: `claim` takes a lease on a batch that needs work
@@ -87,38 +87,80 @@ class FileStorage:
             self.fs.delete_file(location)
 
 
-class BatchStore:
-    """Files, batches and lines in SQLite (`path`: its file, made with its folder) with their
-    bytes in `storage`. Thread-safe (one connection, one lock: its statements are short); other
-    processes on the node share the file (WAL, and a write waits for another's)."""
+class SQLite:
+    """SQLite through one connection (and one lock: its statements are short); other processes
+    on the node share the file (WAL; a write waits for another's)."""
 
-    def __init__(self, path: str, storage: FileStorage):
-        self.storage = storage
+    def __init__(self, path: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA busy_timeout=30000")  # another process's write: wait, not fail
-        self._lock = threading.Lock()
-        with self._lock:
-            self._db.executescript(SCHEMA)  # its own transaction
+        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA busy_timeout=30000")  # another process's write: wait, not fail
+        self.lock = threading.Lock()
+        with self.lock:
+            self.db.executescript(SCHEMA)  # its own transaction
 
-    def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchall()
+    def read(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self.lock:
+            return self.db.execute(sql, args).fetchall()
 
     @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        with self.lock:
+            self.db.execute("BEGIN IMMEDIATE")
             try:
-                yield self._db
+                yield self.db
             except BaseException:
-                self._db.execute("ROLLBACK")
+                self.db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
+            self.db.execute("COMMIT")
 
     def close(self) -> None:
-        self._db.close()
+        self.db.close()
+
+
+class PostgreSQL:
+    """PostgreSQL by URL (psycopg), one connection under a lock: a cluster's shared store."""
+
+    def __init__(self, url: str):
+        import psycopg
+        self.db = psycopg.connect(url, autocommit=True)
+        self.lock = threading.Lock()
+        with self.lock, self.db.transaction():
+            self.db.execute(SCHEMA)
+
+    def read(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self.lock:
+            return self.db.execute(sql.replace("?", "%s"), args).fetchall()
+
+    @contextmanager
+    def transaction(self):
+        with self.lock, self.db.transaction():
+            yield self
+
+    def execute(self, sql: str, args: tuple = ()):
+        return self.db.execute(sql.replace("?", "%s"), args)
+
+    def close(self) -> None:
+        self.db.close()
+
+
+class BatchStore:
+    """Files, batches and lines in SQLite (`location`: its file, made with its folder) or
+    PostgreSQL (`location`: a postgresql:// URL), their bytes in `storage`. Thread-safe."""
+
+    def __init__(self, location: str, storage: FileStorage):
+        self.storage = storage
+        self._sql = PostgreSQL(location) if location.startswith(("postgresql://", "postgres://")) else SQLite(location)
+
+    def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
+        return self._sql.read(sql, args)
+
+    def _transaction(self):
+        return self._sql.transaction()
+
+    def close(self) -> None:
+        self._sql.close()
 
     # -- files -------------------------------------------------------------------------------
     def create_file(self, purpose: str, filename: str, data: bytes) -> dict:
@@ -134,8 +176,8 @@ class BatchStore:
         return file_object(rows[0]) if rows else None
 
     def list_files(self, purpose: str | None = None) -> list[dict]:
-        rows = self._read("SELECT * FROM files WHERE ? IS NULL OR purpose = ? ORDER BY created_at, id",
-                          (purpose, purpose))
+        rows = (self._read("SELECT * FROM files ORDER BY created_at, id") if purpose is None else
+                self._read("SELECT * FROM files WHERE purpose = ? ORDER BY created_at, id", (purpose,)))
         return [file_object(row) for row in rows]
 
     def file_content(self, file_id: str) -> bytes | None:
@@ -200,8 +242,10 @@ class BatchStore:
                              (*ACTIVE, now)).fetchone()
             if row is None:
                 return None
-            db.execute("UPDATE batches SET lease_owner = ?, lease_until = ? WHERE id = ?", (owner, now + lease_s, row[0]))
-        return self.get_batch(row[0])
+            # Taken only if still free: two workers that read the same row take it once.
+            taken = db.execute("UPDATE batches SET lease_owner = ?, lease_until = ? WHERE id = ? "
+                               "AND (lease_until IS NULL OR lease_until < ?)", (owner, now + lease_s, row[0], now)).rowcount
+        return self.get_batch(row[0]) if taken == 1 else None
 
     def renew(self, batch_id: str, owner: str, lease_s: float) -> bool:
         """Extend `owner`'s lease; False when it is no longer `owner`'s (it ran out and another

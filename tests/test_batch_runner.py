@@ -40,9 +40,26 @@ class App:
         return 200, {"text": f"page {body['n']}"}
 
 
-@pytest.fixture
-def store(tmp_path):
-    store = BatchStore(str(tmp_path / "batches.db"), FileStorage(str(tmp_path / "files")))
+@pytest.fixture(scope="module")
+def postgres(tmp_path_factory):
+    """A PostgreSQL server from PyPI (pgserver), on a Unix socket in a folder of its own; a
+    fresh database per test."""
+    pgserver = pytest.importorskip("pgserver")
+    server = pgserver.get_server(str(tmp_path_factory.mktemp("pg")), cleanup_mode="stop")
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    """The store on SQLite and on PostgreSQL: the same tests on both."""
+    location = str(tmp_path / "batches.db")
+    if request.param == "postgresql":
+        server = request.getfixturevalue("postgres")
+        database = f"test_{tmp_path.name.replace('-', '_').lower()}"
+        server.psql(f"CREATE DATABASE {database};")
+        location = server.get_uri(database)
+    store = BatchStore(location, FileStorage(str(tmp_path / "files")))
     yield store
     store.close()
 
@@ -110,7 +127,7 @@ def test_a_worker_stopped_midway_is_taken_over_and_every_line_is_answered_once(s
     resumed = store.get_batch(batch["id"])
     assert resumed["status"] == "completed" and resumed["request_counts"]["completed"] == 13
 
-    other = BatchStore(str(tmp_path / "other.db"), FileStorage(str(tmp_path / "other-files")))
+    other = BatchStore(str(tmp_path / "other.db"), FileStorage(str(tmp_path / "other-files")))  # SQLite either way
     whole = submit(other)
     asyncio.run(BatchRunner(other, App()).run_once())
     whole = other.get_batch(whole["id"])
