@@ -37,7 +37,7 @@ CREATE TABLE IF NOT EXISTS files (
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, input_file_id TEXT NOT NULL, endpoint TEXT NOT NULL,
     completion_window TEXT NOT NULL, metadata TEXT, status TEXT NOT NULL, errors TEXT,
-    created_at BIGINT NOT NULL, expires_at BIGINT NOT NULL, in_progress_at BIGINT,
+    created_at BIGINT NOT NULL, created DOUBLE PRECISION NOT NULL, expires_at BIGINT NOT NULL, in_progress_at BIGINT,
     finalizing_at BIGINT, completed_at BIGINT, failed_at BIGINT, expired_at BIGINT,
     cancelling_at BIGINT, cancelled_at BIGINT, output_file_id TEXT, error_file_id TEXT,
     total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0,
@@ -196,13 +196,14 @@ class BatchStore:
     # -- batches -----------------------------------------------------------------------------
     def create_batch(self, input_file_id: str, endpoint: str, window_s: int, completion_window: str,
                      metadata: dict | None) -> dict:
-        now = int(time.time())
+        created = time.time()  # `created_at` in seconds, as OpenAI's; `created` orders batches of one second
         batch_id = new_id("batch")
         with self._transaction() as db:
             db.execute("INSERT INTO batches (id, input_file_id, endpoint, completion_window, metadata, status, "
-                       "created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                       "created_at, created, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                        (batch_id, input_file_id, endpoint, completion_window,
-                        json.dumps(metadata) if metadata is not None else None, VALIDATING, now, now + window_s))
+                        json.dumps(metadata) if metadata is not None else None, VALIDATING, int(created), created,
+                        int(created) + window_s))
         return self.get_batch(batch_id)
 
     def get_batch(self, batch_id: str) -> dict | None:
@@ -214,14 +215,14 @@ class BatchStore:
         more follow."""
         cursor = ""
         if after is not None:
-            rows = self._read("SELECT created_at FROM batches WHERE id = ?", (after,))
+            rows = self._read("SELECT created FROM batches WHERE id = ?", (after,))
             if not rows:
                 return [], False
-            cursor, args = " WHERE (created_at, id) < (?, ?)", (rows[0][0], after)
+            cursor, args = " WHERE (created, id) < (?, ?)", (rows[0][0], after)
         else:
             args = ()
         rows = self._read(f"SELECT {', '.join(BATCH_COLUMNS)} FROM batches{cursor} "
-                          f"ORDER BY created_at DESC, id DESC LIMIT ?", (*args, limit + 1))
+                          f"ORDER BY created DESC, id DESC LIMIT ?", (*args, limit + 1))
         return [batch_object(row) for row in rows[:limit]], len(rows) > limit
 
     def cancel(self, batch_id: str) -> dict | None:
@@ -238,7 +239,7 @@ class BatchStore:
         now = time.time()
         with self._transaction() as db:
             row = db.execute(f"SELECT id FROM batches WHERE status IN ({', '.join('?' * len(ACTIVE))}) "
-                             "AND (lease_until IS NULL OR lease_until < ?) ORDER BY created_at, id LIMIT 1",
+                             "AND (lease_until IS NULL OR lease_until < ?) ORDER BY created, id LIMIT 1",
                              (*ACTIVE, now)).fetchone()
             if row is None:
                 return None

@@ -119,6 +119,12 @@ class AppConfig(BaseModel):
     api_key: str | None = Field(
         None, min_length=8, description="when set, every route but /health needs "
         "`Authorization: Bearer <key>`")
+    batch_store: str = Field(
+        "~/.deepseek-ocr/batches.db", description="batch jobs' state (OpenAI's Batch API): a SQLite "
+        "file, or a postgresql:// URL (a cluster's: every Router replica sees the same batches)")
+    batch_files: str = Field(
+        "~/.deepseek-ocr/batch-files", description="uploaded and answer files' bytes: a directory, "
+        "or a URI pyarrow opens (s3://bucket/prefix) for a cluster")
     gpu_memory_fraction_global: float | None = Field(
         None, gt=0, le=1, description="GlobalEncoder's cap of its GPU's memory (shared GPUs)")
     gpu_memory_fraction_local: float | None = Field(

@@ -88,14 +88,20 @@ async def read_ocr_body(request: Request, max_bytes: int,
                 options[name] = _json_field(options[name], name)
         return _source(sent), options, False
     body = await read_json(request, max_bytes, "application/json or multipart/form-data")
+    return (*ocr_json(body), True)
+
+
+def ocr_json(body) -> tuple[Images | Document, dict]:
+    """A JSON body's images or PDF (`image`, `images`, `document`: base64 or data: URLs) and
+    its options as sent (a batch line's body too)."""
     if not isinstance(body, dict):
         raise BadRequest("JSON body must be an object")
-    sent = {}
+    body, sent = dict(body), {}
     for key in SOURCE_FIELDS:
         value = body.pop(key, None)
         if value is not None:  # `image` may be a list too, `images` one string
             sent[key] = value if isinstance(value, list) and key != "document" else [value]
-    return _source(sent), body, True
+    return _source(sent), body
 
 
 async def _read_form(request: Request, max_bytes: int, max_images: int):

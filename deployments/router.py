@@ -9,6 +9,7 @@ once from the handles the app was built with (`placement.model_pipeline`).
 import asyncio
 import base64
 import hmac
+import json
 import logging
 import os
 import time
@@ -17,15 +18,18 @@ from contextlib import aclosing
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException
 
-from . import openai_api
+from . import batch_api, openai_api
 from . import protocol  # protocol.REQUEST_ARRIVED: a module pickles by name, a ContextVar not at all
 from .config import SHUTDOWN, AppConfig, ServedModel
-from .http_io import bad_request, error_body, event_stream, overloaded, read_json, read_ocr_body
+from .batch_runner import BatchRunner
+from .batch_store import BatchStore, FileStorage
+from .http_io import (bad_request, check_length, error_body, event_stream, ocr_json, overloaded, read_json,
+                      read_ocr_body)
 from .metrics import router_metrics
 from .model_source import prepare_replica_process, replica_id
 from .pipeline import OcrPipeline
@@ -56,6 +60,11 @@ def _memory_mb() -> dict:
         return {}
     return {name: int(fields[key].split()[0]) / 1024 for name, key in
             (("rss_mb", "VmRSS"), ("peak_rss_mb", "VmHWM")) if key in fields}
+
+
+def expand(location: str) -> str:
+    """A store's location with `~` expanded (a URL as it is)."""
+    return location if "://" in location else os.path.expanduser(location)
 
 
 def _handle_source(image, document) -> Images | Document:
@@ -89,6 +98,11 @@ class Router:
         self.inflight = 0  # HTTP requests being worked on (admission control)
         self.inflight_limit = config.inflight_limit()
         self.started = int(time.time())
+        # Batch jobs (OpenAI's Files and Batch API): their store, and this replica's worker,
+        # started on the replica's event loop by its first request or health check.
+        self.batches = BatchStore(expand(config.batch_store), FileStorage(expand(config.batch_files)))
+        self.batch_runner = BatchRunner(self.batches, self._answer_line, owner=f"router-{replica_id()}")
+        self.batch_worker: asyncio.Task | None = None
 
     def _pipeline(self, model: str | None) -> OcrPipeline:
         """The pipeline of the model a request names (none: the default); 404 for another."""
@@ -155,8 +169,15 @@ class Router:
                 **pipeline.encoder.stats()}
 
     async def check_health(self):
+        self._start_batch_worker()
         for _, pipeline in self.served.values():
             await pipeline.encoder.check_health()
+
+    def _start_batch_worker(self) -> None:
+        """This replica's batch worker, on its event loop (from the first request or health
+        check, Serve's first call into the replica): unfinished batches resume after a restart."""
+        if self.batch_worker is None or self.batch_worker.done():
+            self.batch_worker = asyncio.get_running_loop().create_task(self.batch_runner.run_forever())
 
     def timings(self, model: str | None = None) -> dict:
         return self._pipeline(model).timings()
@@ -164,33 +185,115 @@ class Router:
     # -- HTTP -----------------------------------------------------------------------------------
     @api.post("/v1/ocr")
     async def http_ocr(self, request: Request):
-        async def work(source, options: OcrOptions):
-            pipeline = self._pipeline(options.model)
-            if isinstance(source, Document):
-                if not options.stream:
-                    return await pipeline.document(source, options)
-                entries = await pipeline.document_pages(source, options)
-                return self._event_stream(entries, entries, options)
+        return await self._guard(request, self._ocr_work)
+
+    async def _ocr_work(self, source, options: OcrOptions):
+        pipeline = self._pipeline(options.model)
+        if isinstance(source, Document):
             if not options.stream:
-                return await pipeline.ocr(source, options)
-            deltas = await pipeline.ocr_stream(source, options)
-            return self._event_stream(deltas, deltas, options)
-        return await self._guard(request, work)
+                return await pipeline.document(source, options)
+            entries = await pipeline.document_pages(source, options)
+            return self._event_stream(entries, entries, options)
+        if not options.stream:
+            return await pipeline.ocr(source, options)
+        deltas = await pipeline.ocr_stream(source, options)
+        return self._event_stream(deltas, deltas, options)
 
     @api.post("/v1/chat/completions")
     async def http_chat(self, request: Request):
         async def read(request):
             return await self._read_chat(await read_json(request, self.config.max_request_mb << 20))
+        return await self._guard(request, self._chat_work, read)
 
-        async def work(source, options: OcrOptions, chat: openai_api.ChatRequest):
-            pipeline = self._pipeline(options.model)
-            if not options.stream:
-                return await openai_api.answer(pipeline, source, options)
-            deltas = await openai_api.deltas(pipeline, source, options)
-            include_usage = chat.stream_options is not None and chat.stream_options.include_usage
-            chunks = openai_api.chunks(deltas, pipeline.model_fields, include_usage)
-            return self._event_stream(chunks, deltas, options)
-        return await self._guard(request, work, read)
+    async def _chat_work(self, source, options: OcrOptions, chat: openai_api.ChatRequest):
+        pipeline = self._pipeline(options.model)
+        if not options.stream:
+            return await openai_api.answer(pipeline, source, options)
+        deltas = await openai_api.deltas(pipeline, source, options)
+        include_usage = chat.stream_options is not None and chat.stream_options.include_usage
+        chunks = openai_api.chunks(deltas, pipeline.model_fields, include_usage)
+        return self._event_stream(chunks, deltas, options)
+
+    # -- batch jobs: OpenAI's Files and Batch API (deployments/batch_api.py) ---------------------
+    @api.post("/v1/files")
+    async def http_upload(self, request: Request):
+        async def upload():
+            limit = self.config.max_request_mb << 20
+            check_length(request, limit + (1 << 20))  # the form's own bytes besides the file
+            form = await request.form(max_files=1, max_fields=4, max_part_size=limit + 1)
+            sent = form.get("file")
+            if not hasattr(sent, "read"):
+                raise BadRequest("send the JSONL file as the multipart field 'file'", "file")
+            data = await sent.read()
+            return await asyncio.to_thread(batch_api.upload, self.batches, form.get("purpose"), sent.filename, data, limit)
+        return await self._batch_call(request, upload)
+
+    @api.get("/v1/files")
+    async def http_files(self, request: Request, purpose: str | None = None, after: str | None = None,
+                         limit: int = 10_000):
+        return await self._batch_call(
+            request, lambda: asyncio.to_thread(batch_api.list_files, self.batches, purpose, after, limit))
+
+    @api.get("/v1/files/{file_id}")
+    async def http_file(self, file_id: str, request: Request):
+        return await self._batch_call(request, lambda: asyncio.to_thread(batch_api.file_of, self.batches, file_id))
+
+    @api.get("/v1/files/{file_id}/content")
+    async def http_file_content(self, file_id: str, request: Request):
+        async def content():
+            data = await asyncio.to_thread(batch_api.content, self.batches, file_id)
+            return Response(content=data, media_type="application/jsonl")
+        return await self._batch_call(request, content)
+
+    @api.delete("/v1/files/{file_id}")
+    async def http_delete_file(self, file_id: str, request: Request):
+        return await self._batch_call(request, lambda: asyncio.to_thread(batch_api.delete, self.batches, file_id))
+
+    @api.post("/v1/batches")
+    async def http_create_batch(self, request: Request):
+        async def create():
+            body = await read_json(request, 1 << 20)
+            return await asyncio.to_thread(batch_api.create_batch, self.batches, body)
+        return await self._batch_call(request, create)
+
+    @api.get("/v1/batches")
+    async def http_batches(self, request: Request, after: str | None = None, limit: int = 20):
+        return await self._batch_call(
+            request, lambda: asyncio.to_thread(batch_api.list_batches, self.batches, after, limit))
+
+    @api.get("/v1/batches/{batch_id}")
+    async def http_batch(self, batch_id: str, request: Request):
+        return await self._batch_call(request, lambda: asyncio.to_thread(batch_api.batch_of, self.batches, batch_id))
+
+    @api.post("/v1/batches/{batch_id}/cancel")
+    async def http_cancel_batch(self, batch_id: str, request: Request):
+        return await self._batch_call(request, lambda: asyncio.to_thread(batch_api.cancel, self.batches, batch_id))
+
+    async def _batch_call(self, request: Request, call):
+        """A Files or Batch API call: the key checked, `call()` answered, its errors in the
+        envelope (the worker started, if this is the replica's first call)."""
+        self._start_batch_worker()
+        refused = self._refuse_without_key(request)
+        if refused is not None:
+            return refused
+        try:
+            return await call()
+        except CLIENT_ERRORS as e:
+            return bad_request(e)
+
+    async def _answer_line(self, endpoint: str, body: dict) -> tuple[int, dict]:
+        """A batch line, answered as an HTTP request of its endpoint with that JSON body is:
+        (status, body)."""
+        if endpoint == "/v1/ocr":
+            async def read():
+                source, options = ocr_json(body)
+                return source, OcrOptions.parse(options)
+            response = await self._run(read, self._ocr_work)
+        else:
+            response = await self._run(lambda: self._read_chat(body), self._chat_work)
+        if isinstance(response, Response):
+            return response.status_code, json.loads(response.body)
+        return 200, response
 
     @api.get("/v1/models")
     async def http_models(self, request: Request):
@@ -296,9 +399,17 @@ class Router:
                               f"{self.inflight_limit} requests in flight; retry shortly")
         self.inflight += 1
         protocol.REQUEST_ARRIVED.set(time.perf_counter())
+        try:
+            return await self._run(lambda: read(request), work)
+        finally:
+            self.inflight -= 1
+
+    async def _run(self, read, work):
+        """`work` on what `read()` gives, within the request's time limit; every error as the
+        one JSON envelope (an HTTP request's, or a batch line's)."""
         inputs = None
         try:
-            inputs = await read(request)
+            inputs = await read()
             limit = inputs[1].timeout_s or self.config.request_timeout_s
             return await asyncio.wait_for(work(*inputs), timeout=limit)
         except CLIENT_ERRORS as e:
@@ -315,5 +426,3 @@ class Router:
             log.exception("request failed")
             return JSONResponse(status_code=500,
                                 content=error_body("internal_error", "internal error (see the server log)"))
-        finally:
-            self.inflight -= 1

@@ -34,7 +34,7 @@ def pytest_configure(config):
 WORKERS = 2  # 2 cores: more workers only slowed each other's clusters (docs/tests.md)
 ON_THE_SHARED_APP = "on-the-shared-app"
 MODULES_ON_THE_SHARED_APP = {  # the modules using `serve_app` (checked at collection)
-    "tests.test_admission", "tests.test_bad_inputs", "tests.test_documents_api", "tests.test_models",
+    "tests.test_admission", "tests.test_bad_inputs", "tests.test_batches_api", "tests.test_documents_api", "tests.test_models",
     "tests.test_offline", "tests.test_openai_api", "tests.test_operations", "tests.test_serve"}
 ONE_UNIT_PER_TEST = ("tests.test_bench_scripts",)
 TIMED_CLUSTERS = "timed-clusters"
@@ -172,7 +172,11 @@ class SharedApp:
                 ray.shutdown()        # without this cluster's metrics port
             ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=METRICS_PORT)
             serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
-            self.handle = serve.run(build(AppConfig(max_len=2048, max_images=8, max_pages=400)),
+            import tempfile
+            batch_jobs = tempfile.mkdtemp(prefix="batch-jobs-")  # this suite's own batch store
+            self.handle = serve.run(build(AppConfig(max_len=2048, max_images=8, max_pages=400,
+                                                    batch_store=f"{batch_jobs}/batches.db",
+                                                    batch_files=f"{batch_jobs}/files")),
                                     name=SERVE_APP, route_prefix="/")
         return self.handle
 

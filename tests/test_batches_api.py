@@ -1,0 +1,115 @@
+"""OpenAI's Files and Batch API on the running app, through the real `openai` client: a batch of
+`/v1/ocr` lines and one of chat lines each answer what the same requests sent alone answer, bad
+lines fail alone into the error file; files are listed, read and deleted; batches listed, and
+their errors named. (The store's and worker's own tests, on SQLite and PostgreSQL, with a worker
+stopped midway: tests/test_batch_runner.py.)"""
+import base64
+import io
+import json
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+openai = pytest.importorskip("openai")
+requests = pytest.importorskip("requests")
+from tests.conftest import SERVE_URL  # noqa: E402
+
+
+def png(seed: int) -> str:
+    pixels = np.random.default_rng(seed).integers(0, 255, (96, 128, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def client(serve_app):
+    return openai.OpenAI(base_url=f"{SERVE_URL}/v1", api_key="unused", max_retries=0)
+
+
+def run_batch(client, lines: list[dict], endpoint: str) -> tuple[object, dict, dict]:
+    """Upload the lines, create the batch, wait for its end: (the batch, its output lines and
+    its error lines by custom_id)."""
+    upload = client.files.create(file=("in.jsonl", "\n".join(map(json.dumps, lines)).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint=endpoint, completion_window="24h",
+                                  metadata={"test": "yes"})
+    assert batch.status == "validating" and batch.metadata == {"test": "yes"}
+    deadline = time.monotonic() + 240
+    while batch.status not in ("completed", "failed", "expired", "cancelled") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        batch = client.batches.retrieve(batch.id)
+
+    def read(file_id):
+        if file_id is None:
+            return {}
+        return {row["custom_id"]: row for row in map(json.loads, client.files.content(file_id).text.splitlines())}
+    return batch, read(batch.output_file_id), read(batch.error_file_id)
+
+
+def test_a_batch_of_ocr_lines_answers_what_each_request_alone_answers(client):
+    bodies = {f"page-{i}": {"image": png(i), "mode": "tiny", "max_tokens": 4} for i in range(3)}
+    lines = [{"custom_id": key, "method": "POST", "url": "/v1/ocr", "body": body} for key, body in bodies.items()]
+    lines += [{"custom_id": "bad-mode", "method": "POST", "url": "/v1/ocr", "body": {"image": png(9), "mode": "huge"}},
+              {"custom_id": "page-0", "method": "POST", "url": "/v1/ocr", "body": bodies["page-0"]}]
+    batch, output, errors = run_batch(client, lines, "/v1/ocr")
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (3, 2)
+    for key, body in bodies.items():
+        alone = requests.post(f"{SERVE_URL}/v1/ocr", json=body, timeout=120).json()
+        got = output[key]["response"]
+        assert got["status_code"] == 200 and got["body"]["text"] == alone["text"], key
+        assert got["body"]["usage"] == alone["usage"]
+    assert errors["bad-mode"]["response"]["status_code"] == 400
+    assert errors["bad-mode"]["response"]["body"]["error"]["param"] == "mode"
+    assert "earlier line" in errors["page-0"]["error"]["message"]  # its duplicate, refused alone
+
+
+def test_a_batch_of_chat_lines_answers_chat_completions(client):
+    url = f"data:image/png;base64,{png(5)}"
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                        {"type": "text", "text": "Free OCR."}]}], "max_tokens": 3}
+    batch, output, errors = run_batch(client, [{"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+                                                "body": body}], "/v1/chat/completions")
+    assert batch.status == "completed" and not errors
+    reply = output["chat"]["response"]["body"]
+    alone = client.chat.completions.create(model=reply["model"], **body)
+    assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["content"] == alone.choices[0].message.content
+
+
+def test_files_are_listed_read_and_deleted_and_batches_listed(client):
+    made = client.files.create(file=("x.jsonl", b'{"custom_id": "a"}\n'), purpose="batch")
+    assert made.filename == "x.jsonl" and made.bytes == 19 and made.purpose == "batch"
+    assert made.id in {f.id for f in client.files.list()}
+    assert client.files.retrieve(made.id).id == made.id
+    assert client.files.content(made.id).content == b'{"custom_id": "a"}\n'
+    first = client.batches.create(input_file_id=made.id, endpoint="/v1/ocr", completion_window="24h")
+    second = client.batches.create(input_file_id=made.id, endpoint="/v1/ocr", completion_window="24h")
+    page = client.batches.list(limit=1)
+    assert page.data[0].id == second.id and page.has_more
+    assert first.id in {b.id for b in client.batches.list(limit=100)}
+    assert client.files.delete(made.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(made.id)
+
+
+@pytest.mark.parametrize("call, param", [
+    (lambda c: c.files.create(file=("x.jsonl", b"{}"), purpose="fine-tune"), "purpose"),
+    (lambda c: c.batches.create(input_file_id="file-none", endpoint="/v1/ocr", completion_window="24h"),
+     "input_file_id"),
+    (lambda c: c.batches.create(input_file_id="file-none", endpoint="/v1/embeddings", completion_window="24h"),
+     "endpoint"),
+    (lambda c: c.batches.create(input_file_id="file-none", endpoint="/v1/ocr", completion_window="soon"),
+     "completion_window"),
+])
+def test_bad_files_and_batches_are_refused_naming_the_field(client, call, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        call(client)
+    assert refused.value.body["param"] == param
+
+
+def test_unknown_files_and_batches_are_404(client):
+    for call in (lambda: client.files.retrieve("file-none"), lambda: client.files.content("file-none"),
+                 lambda: client.batches.retrieve("batch-none"), lambda: client.batches.cancel("batch-none")):
+        with pytest.raises(openai.NotFoundError):
+            call()
