@@ -7,7 +7,7 @@ small variations, or of a period past the window, passes it. `LoopDetector` watc
 sequence's tokens as they come and ends the sequence (`finish_reason: "repetition"`) once a
 suffix repeats with some period p for long enough:
 
-  * candidates: a 3-token gram seen again p tokens later (1 <= p <= `max_period`) starts a
+  * candidates: a 6-token gram seen again p tokens later (1 <= p <= `max_period`) starts a
     candidate period p; each new token is compared with the one p back, and a candidate whose
     mismatches pass (1 - `similarity`) of its comparisons (+2) is dropped, so a loop that
     varies a token a period (a counter, a word) is still one, and text is not;
@@ -22,7 +22,7 @@ suffix repeats with some period p for long enough:
 
 The cost is incremental: per token, a few integer operations, one dict lookup and one
 comparison per live candidate (none in most text), never a rescan of the sequence. The text up
-to the end of the unit's first occurrence is what a whole answer keeps (`Loop.keep_tokens`).
+to the end of the unit's first occurrence is what a whole answer keeps (`Loop.start_token`).
 """
 from __future__ import annotations
 
@@ -78,15 +78,11 @@ class RepetitionGuard:
 
 @dataclass(frozen=True)
 class Loop:
-    """A detected loop: its unit of `period` tokens first ends at `keep_tokens` (the generated
-    tokens a whole answer keeps); the repeats begin there (`start_token`)."""
+    """A detected loop: its unit of `period` tokens first ends, and its repeats begin, at
+    generated token `start_token` (the tokens a whole answer keeps)."""
 
     start_token: int
     period: int
-
-    @property
-    def keep_tokens(self) -> int:
-        return self.start_token
 
 
 def unit_kind(text: str) -> str:

@@ -317,7 +317,8 @@ class OcrPipeline:
         if needs_retry(result, options):  # none ended cleanly: the greedy answer stands
             result = first
         lost = sum(a["completion_tokens"] for a in attempts) - result["completion_tokens"]
-        metrics["tokens"].inc(lost, tags={"kind": "lost_attempts", **self.model_tag})
+        if lost:
+            metrics["tokens"].inc(lost, tags={"kind": "lost_attempts", **self.model_tag})
         return {**result, "completion_tokens": sum(a["completion_tokens"] for a in attempts), "attempts": attempts}
 
     def _sampling(self, options: OcrOptions, num_images: int):
