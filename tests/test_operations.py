@@ -167,6 +167,10 @@ def test_api_key_guards_every_route_but_liveness(limited):
         assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
         assert response.json()["error"]["type"] == "authentication_error"
     assert requests.get(f"{limited}/ready", timeout=60).status_code == 401
+    for route in ("/v1/files", "/v1/batches", "/v1/batches/batch-x", "/v1/files/file-x/content"):
+        assert requests.get(f"{limited}{route}", timeout=60).status_code == 401, route
+    assert requests.post(f"{limited}/v1/batches", json={}, timeout=60).status_code == 401
+    assert requests.get(f"{limited}/v1/batches", headers=auth(), timeout=60).status_code == 200
     assert requests.get(f"{limited}/health", timeout=60).status_code == 200
     response = requests.post(f"{limited}/v1/ocr", json=body, headers=auth(), timeout=300)
     assert response.status_code == 200, response.text
