@@ -733,6 +733,17 @@ def write_profile(opts, variants: dict, setting: dict) -> None:
         "summary": summary, "variants": variants})
 
 
+def guard_cost(variants: dict, levels) -> dict:
+    """The loop detector's cost (issue 57, target <= 2% at 256): the default engine's median
+    decode step over the same engine's with every request's detector off, less 1, per level;
+    {} unless both ran."""
+    on, off = variants.get("decode_graphs"), variants.get("decode_graphs_no_repetition_guard")
+    if not on or not off or any(str(n) not in on or str(n) not in off for n in levels):
+        return {}
+    return {"repetition_guard_step_cost": {f"c{n}": on[str(n)]["decode_step_ms_p50"] / off[str(n)]["decode_step_ms_p50"] - 1
+                                           for n in levels}}
+
+
 def write_realistic(opts, variants: dict, setting: dict) -> None:
     """The JSON of the variants measured so far (`setting`: what measure_realistic measured them in)."""
     levels, specs, bandwidth, weights, kv_bytes_per_token, dtype, max_len, device, token_scale = (
@@ -750,6 +761,7 @@ def write_realistic(opts, variants: dict, setting: dict) -> None:
                "met": {**{f"fraction_of_bound_c{n}": first[str(n)]["fraction_of_bound"]
                           >= REALISTIC_TARGETS["fraction_of_bound"] for n in levels},
                        "one_page_s": first["one_page"]["seconds"] <= REALISTIC_TARGETS["one_page_s"]}}
+    summary.update(guard_cost(variants, levels))
     write_result(opts.out, f"{opts.name}-smoke" if opts.smoke else opts.name, {
         "benchmark": "decoder at pages' contexts against the memory-bandwidth bound",
         "date": datetime.date.today().isoformat(),

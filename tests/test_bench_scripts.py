@@ -337,3 +337,12 @@ def test_side_by_side_reads_one_machine_s_runs_and_refuses_mixed_ones():
         sbs.side_by_side([service(1.0)], [service(1.0)], {**decoder, "device": "NVIDIA H200"})
     with pytest.raises(ValueError, match="different code"):
         sbs.side_by_side([service(1.0)], [service(1.0)], {**decoder, "code": {"python_sources_sha256": "def"}})
+
+
+def test_the_loop_detector_s_cost_is_the_default_step_over_the_step_without_it():
+    """decoder_bench's summary of issue 57's figure, from the two variants of one run."""
+    on = {"64": {"decode_step_ms_p50": 4.5}, "256": {"decode_step_ms_p50": 11.22}}
+    off = {"64": {"decode_step_ms_p50": 4.5}, "256": {"decode_step_ms_p50": 11.0}}
+    cost = decoder_bench.guard_cost({"decode_graphs": on, "decode_graphs_no_repetition_guard": off}, (64, 256))
+    assert cost == {"repetition_guard_step_cost": {"c64": 0.0, "c256": pytest.approx(0.02)}}
+    assert decoder_bench.guard_cost({"decode_graphs": on}, (64, 256)) == {}
