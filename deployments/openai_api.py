@@ -105,6 +105,7 @@ class ChatRequest(_Strict):
     timeout_s: float | None = None
     repetition_guard: dict | None = None
     retry: dict | None = None
+    text_layer_fallback: bool | None = None
 
     @classmethod
     def parse(cls, body) -> ChatRequest:
@@ -165,7 +166,7 @@ class ChatRequest(_Strict):
                    "max_crops": self.max_crops, "prompt_preset": self.prompt_preset, "ref": self.ref,
                    "output_format": self.output_format, "return_crops": self.return_crops,
                    "timeout_s": self.timeout_s, "model": self.model, "repetition_guard": self.repetition_guard,
-                   "retry": self.retry}
+                   "retry": self.retry, "text_layer_fallback": self.text_layer_fallback}
         if self.vllm_xargs is not None:
             x = self.vllm_xargs
             options["ngram"] = {"enabled": False} if not x.ngram_size else {

@@ -83,6 +83,14 @@ def test_chat_and_ocr_prompt_ids_are_deepseeks_template():
     assert preset.ocr_options(no_prompt).prompt_for(1, 16) == via_ocr
 
 
+def test_chat_carries_the_loop_options():
+    """`repetition_guard`, `retry` and `text_layer_fallback` in extra_body mean what they mean on /v1/ocr."""
+    chat = ChatRequest.parse({"messages": user(image_part()), "repetition_guard": {"min_tokens": 64},
+                              "retry": {"temperatures": []}, "text_layer_fallback": False})
+    options = chat.ocr_options(chat.sources_and_prompt()[2])
+    assert (options.repetition_guard.min_tokens, options.retry.temperatures, options.text_layer_fallback) == (64, [], False)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"messages": user(image_part()), "n": 2}, "n"),
     ({"messages": user(image_part()) * 2}, "messages"),
