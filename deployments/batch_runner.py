@@ -132,22 +132,21 @@ class BatchRunner:
 
     async def _work(self, batch_id: str, endpoint: str, todo: list, expires_at: int) -> str:
         """Answer the lines, `concurrency` at a time; the status the batch ends with."""
-        queue: asyncio.Queue = asyncio.Queue()
-        for line in todo:
-            queue.put_nowait(line)
+        lines = iter(todo)  # shared by the workers: each takes the next line
         stop: list[str] = []
 
         async def worker():
-            while not stop and not queue.empty():
-                number, custom_id, body, why = queue.get_nowait()
+            for number, custom_id, body, why in lines:
+                if stop:
+                    return
                 if why is not None:
                     result = output_line(custom_id, None, None, {"code": "invalid_request", "message": why})
                     ok = False
                 else:
                     status, answer = await self.answer(endpoint, body)
                     ok = 200 <= status < 300
-                    error = None if ok else {"code": (answer.get("error") or {}).get("type", "error"),
-                                             "message": (answer.get("error") or {}).get("message", "")}
+                    problem = answer.get("error") or {}
+                    error = None if ok else {"code": problem.get("type", "error"), "message": problem.get("message", "")}
                     result = output_line(custom_id, status, answer, error)
                 await asyncio.to_thread(self.store.record_line, batch_id, number, custom_id, ok, result)
 

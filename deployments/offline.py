@@ -46,6 +46,7 @@ from encoder.preprocess import preprocess
 
 from .config import AppConfig
 from .model_source import resolve_checkpoint
+from .pages import USAGE_KEYS
 from .pipeline import check_pages_per_request, failed, text_layer
 from .protocol import BadRequest, OcrOptions, validate
 
@@ -300,7 +301,7 @@ class Decode:
         out = {key: [] for key in ("source", "content_sha256", "page", *self.columns)}
         for i, pages in enumerate(answers):
             for k, answer in enumerate(pages):
-                if k < len(batch["written"][i]) and batch["written"][i][k]:  # written by an earlier run
+                if batch["written"][i][k]:  # written by an earlier run (a flag a page of the row)
                     continue
                 out["source"].append(batch["source"][i])
                 out["content_sha256"].append(batch["content_sha256"][i])
@@ -343,7 +344,7 @@ class Decode:
         the attempts it took (1 unless it looped and was retried); with output_format "blocks"
         its markdown and its blocks as a JSON string (one column type whatever they hold)."""
         usage = answer["usage"]
-        return {**{key: usage[key] for key in ("prompt_tokens", "image_tokens", "completion_tokens")},
-                "attempts": len(usage.get("attempts", [None])), "text": answer["text"],
+        return {**{key: usage[key] for key in USAGE_KEYS},
+                "attempts": len(usage["attempts"]) if "attempts" in usage else 1, "text": answer["text"],
                 "finish_reason": answer["finish_reason"], "text_source": answer.get("source", "ocr"), "error": None,
                 **({"markdown": answer["markdown"], "blocks": json.dumps(answer["blocks"])} if "blocks" in answer else {})}

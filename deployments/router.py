@@ -231,12 +231,11 @@ class Router:
     @api.get("/v1/files")
     async def http_files(self, request: Request, purpose: str | None = None, after: str | None = None,
                          limit: int = 10_000):
-        return await self._batch_call(
-            request, lambda: asyncio.to_thread(batch_api.list_files, self.batches, purpose, after, limit))
+        return await self._store_call(request, batch_api.list_files, purpose, after, limit)
 
     @api.get("/v1/files/{file_id}")
     async def http_file(self, file_id: str, request: Request):
-        return await self._batch_call(request, lambda: asyncio.to_thread(batch_api.file_of, self.batches, file_id))
+        return await self._store_call(request, batch_api.file_of, file_id)
 
     @api.get("/v1/files/{file_id}/content")
     async def http_file_content(self, file_id: str, request: Request):
@@ -247,7 +246,7 @@ class Router:
 
     @api.delete("/v1/files/{file_id}")
     async def http_delete_file(self, file_id: str, request: Request):
-        return await self._batch_call(request, lambda: asyncio.to_thread(batch_api.delete, self.batches, file_id))
+        return await self._store_call(request, batch_api.delete, file_id)
 
     @api.post("/v1/batches")
     async def http_create_batch(self, request: Request):
@@ -258,16 +257,19 @@ class Router:
 
     @api.get("/v1/batches")
     async def http_batches(self, request: Request, after: str | None = None, limit: int = 20):
-        return await self._batch_call(
-            request, lambda: asyncio.to_thread(batch_api.list_batches, self.batches, after, limit))
+        return await self._store_call(request, batch_api.list_batches, after, limit)
 
     @api.get("/v1/batches/{batch_id}")
     async def http_batch(self, batch_id: str, request: Request):
-        return await self._batch_call(request, lambda: asyncio.to_thread(batch_api.batch_of, self.batches, batch_id))
+        return await self._store_call(request, batch_api.batch_of, batch_id)
 
     @api.post("/v1/batches/{batch_id}/cancel")
     async def http_cancel_batch(self, batch_id: str, request: Request):
-        return await self._batch_call(request, lambda: asyncio.to_thread(batch_api.cancel, self.batches, batch_id))
+        return await self._store_call(request, batch_api.cancel, batch_id)
+
+    async def _store_call(self, request: Request, call, *args):
+        """`_batch_call` of `call(store, *args)` on a worker thread (the store's I/O off the loop)."""
+        return await self._batch_call(request, lambda: asyncio.to_thread(call, self.batches, *args))
 
     async def _batch_call(self, request: Request, call):
         """A Files or Batch API call: the key checked, `call()` answered, its errors in the
