@@ -18,6 +18,7 @@ from contextlib import aclosing
 
 import torch
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -49,6 +50,15 @@ async def _http_error(request: Request, exc: HTTPException):
                f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
     return JSONResponse(status_code=exc.status_code, headers=exc.headers,
                         content=error_body("invalid_request", message))
+
+
+@api.exception_handler(RequestValidationError)
+async def _invalid_parameter(request: Request, exc: RequestValidationError):
+    """A route's path or query parameter of the wrong type (`?limit=abc`): 400 naming it, in the
+    same JSON shape as the rest (FastAPI's own answer is a 422 of another shape)."""
+    error = exc.errors()[0]
+    param = str(error["loc"][-1]) if error.get("loc") else None
+    return JSONResponse(status_code=400, content=error_body("invalid_request", f"{param}: {error['msg']}", param))
 
 
 def _memory_mb() -> dict:

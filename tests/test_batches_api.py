@@ -108,6 +108,12 @@ def test_bad_files_and_batches_are_refused_naming_the_field(client, call, param)
     assert refused.value.body["param"] == param
 
 
+def test_a_query_parameter_of_the_wrong_type_is_a_400_naming_it(serve_app):
+    for route in ("/v1/batches?limit=abc", "/v1/files?limit=1.5", "/v1/batches?limit=0"):
+        response = requests.get(f"{SERVE_URL}{route}", timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "limit", route
+
+
 def test_unknown_files_and_batches_are_404(client):
     for call in (lambda: client.files.retrieve("file-none"), lambda: client.files.content("file-none"),
                  lambda: client.batches.retrieve("batch-none"), lambda: client.batches.cancel("batch-none")):
