@@ -57,8 +57,9 @@ def test_batch_bench_smoke(tmp_path):
     """Offline OCR of the realistic mix's pages on Ray Data, each page capped by its own
     `max_tokens` column (random weights never stop: each generates exactly that), the whole job
     timed; Ray Data's stage report kept."""
-    result = run_smoke("batch_bench.py", "batch", tmp_path)
+    result = run_smoke("batch_bench.py", "batch", tmp_path, "--reps", "1")
     summary, run = result["summary"], result["run"]
+    assert summary["runs_tokens_per_s"] == [run["tokens_per_s"]] and result["runs"] == [run]
     assert summary["smoke"] is True and summary["pages"] == 8 and summary["error_count"] == 0
     assert run["generated_tokens"] == result["workload"]["generated_tokens_total"]
     assert summary["tokens_per_s"] == pytest.approx(run["generated_tokens"] / run["seconds"])
@@ -84,6 +85,30 @@ def test_batch_bench_ratios_read_one_machine_s_runs_and_refuse_others():
         ratios({**summary, "gpu": "NVIDIA H200"}, None, decoder)
     with pytest.raises(ValueError, match="different code"):
         ratios({**summary, "code": {"python_sources_sha256": "def"}}, service, None)
+
+
+def test_batch_bench_adds_the_ratios_to_a_run_of_another_call(tmp_path):
+    """`--ratios`: a batch JSON written without the service's and decoder's runs (each ran in its
+    own device call, same machine and code) gets their ratios, refused for other code."""
+    from bench import batch_bench
+    code, card = {"python_sources_sha256": "abc"}, "NVIDIA H100 80GB HBM3"
+    files = {"batch": {"date": "2026-12-07", "code": code, "setup": {"inputs": {}},
+                       "summary": {"gpu": card, "tokens_per_s": 18000.0, "met": {}, "targets": {}}},
+             "service": {"setup": {"gpus": [card]}, "code": code,
+                         "reps": [{"levels": {"256": {"tokens_per_s": 12000.0}}}]},
+             "decoder": {"device": card, "code": code, "summary": {"tokens_per_s_c256": 20000.0}}}
+    for name, result in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(result))
+    batch_bench.main(["--ratios", str(tmp_path / "batch.json"), "--service", str(tmp_path / "service.json"),
+                      "--decoder", str(tmp_path / "decoder.json"), "--name", "joined", "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "joined-2026-12-07.json").read_text())["summary"]
+    assert summary["to_service_tokens_per_s"] == 1.5 and summary["to_inprocess_tokens_per_s"] == 0.9
+    assert summary["met"] == {"to_service_tokens_per_s": True, "to_inprocess_tokens_per_s": True}
+    files["decoder"]["code"] = {"python_sources_sha256": "def"}
+    (tmp_path / "decoder.json").write_text(json.dumps(files["decoder"]))
+    with pytest.raises(ValueError, match="different code"):
+        batch_bench.main(["--ratios", str(tmp_path / "batch.json"), "--decoder", str(tmp_path / "decoder.json"),
+                          "--out", str(tmp_path)])
 
 
 @pytest.mark.slow
