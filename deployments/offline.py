@@ -99,6 +99,9 @@ ONE_GPU_MEMORY = {"gpu_memory_fraction_global": 0.15, "gpu_memory_fraction_local
                   "gpu_memory_fraction_decoder": 0.5}
 
 
+DECODE_CALLS_IN_FLIGHT = 8  # batches one Decoder actor works on at once
+
+
 def default_layout(checkpoint: str | None, gpus: float, **given) -> tuple[Stages, AppConfig]:
     """The stages and app config of a run on a cluster with `gpus` GPUs, `given` (Stages'
     fields) as asked: with GPUs and no share given, one card shared (ONE_GPU)."""
@@ -125,21 +128,25 @@ def ocr_dataset(ds, checkpoint: str | None = None, *, config: AppConfig | None =
     except ImageError as e:
         raise BadRequest(str(e), "mode" if opts.mode not in tiling.modes else "max_crops") from None
     per_request = check_pages_per_request(opts, config.max_images_per_request)
-    # In a pool's actors each batch's pages are in flight together; the Decoder admits a full
-    # batch plus its queue, over which Ray Data runs up to 4 batches per actor at once.
-    decode_batch = max(1, (config.max_batch + config.decoder_queue) // 4)
+    from ray.data import ActorPoolStrategy
+    # A Decoder actor's calls run together (`max_concurrency`: Ray Data's actors take one call
+    # at a time otherwise, and a batch's longest page then leaves the engine half idle), each a
+    # batch of pages; the calls in flight hold twice what the engine admits (a full batch plus
+    # its queue: Decode holds the rest back), so a batch ending is replaced while others decode.
+    decode_batch = max(1, (config.max_batch + config.decoder_queue) // (DECODE_CALLS_IN_FLIGHT // 2))
     return (ds.flat_map(pages_of, fn_kwargs={"dpi": opts.dpi, "max_pages": config.max_pages,
                                              "skip": frozenset(skip), "per_request": per_request})
             .map_batches(views_of, fn_kwargs={"checkpoint": config.checkpoint, "mode": opts.mode,
                                               "max_crops": opts.max_crops}, batch_size=4)
-            .map_batches(PathStage, fn_constructor_args=("global", config), concurrency=stages.encoders,
+            .map_batches(PathStage, fn_constructor_args=("global", config), compute=ActorPoolStrategy(size=stages.encoders),
                          num_gpus=stages.encoder_gpus, num_cpus=stages.actor_cpus, resources=stages.encoder_resources,
                          batch_size=stages.encoder_batch)
-            .map_batches(PathStage, fn_constructor_args=("local", config), concurrency=stages.encoders,
+            .map_batches(PathStage, fn_constructor_args=("local", config), compute=ActorPoolStrategy(size=stages.encoders),
                          num_gpus=stages.encoder_gpus, num_cpus=stages.actor_cpus, resources=stages.encoder_resources,
                          batch_size=stages.encoder_batch)
             .map_batches(assemble, fn_kwargs={"checkpoint": config.checkpoint}, batch_size=stages.encoder_batch)
-            .map_batches(Decode, fn_constructor_args=(config, opts), concurrency=stages.decoders,
+            .map_batches(Decode, fn_constructor_args=(config, opts), compute=ActorPoolStrategy(
+                             size=stages.decoders, max_concurrent_calls_per_actor=DECODE_CALLS_IN_FLIGHT),
                          num_gpus=stages.decoder_gpus, num_cpus=stages.actor_cpus, resources=stages.decoder_resources,
                          batch_size=decode_batch))
 
@@ -289,6 +296,8 @@ class Decode:
         self.server = DecoderServer.func_or_class(config)
         self.pipeline = pipeline_of(config, Encoded(tiling), self.server)
         self.options = options
+        # Pages beyond what the engine admits wait here, not refused by it as overloaded.
+        self.admitted = asyncio.Semaphore(config.max_batch + config.decoder_queue)
         self.columns = ("text", "text_source", "finish_reason", "prompt_tokens", "image_tokens",
                         "completion_tokens", "attempts", "error",
                         *(("markdown", "blocks") if options.output_format == "blocks" else ()),
@@ -322,10 +331,11 @@ class Decode:
         try:  # a row's own max_tokens is checked as the run's was
             options = self.options if not max_tokens else validate(
                 OcrOptions, {**self.options.model_dump(), "max_tokens": int(max_tokens)}, strict=False)
-            if as_window:
-                entries = await self.pipeline.window_entries(window, images, options)
-            else:
-                entries = [{**await self.pipeline.ocr(images, options, page=window[0]), "error": None}]
+            async with self.admitted:
+                if as_window:
+                    entries = await self.pipeline.window_entries(window, images, options)
+                else:
+                    entries = [{**await self.pipeline.ocr(images, options, page=window[0]), "error": None}]
         except BadRequest as e:  # its max_tokens out of range, or its prompt over the context
             return [{"error": f"request: {e}", **self.window_columns(window)}] * len(window)
         if options.text_layer_fallback:

@@ -317,6 +317,38 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def test_a_decoder_actor_takes_several_batches_at_once_and_holds_back_what_its_engine_cannot_admit():
+    """Ray Data gives an actor one call at a time unless told otherwise: the Decode stage asks
+    for several (a batch ending is replaced while the others decode), their pages together
+    twice what its engine admits; the pages over that wait in the actor (here, in process:
+    three batches of three pages against an engine of 2 running and 2 waiting), none refused."""
+    import asyncio
+
+    from deployments.config import AppConfig
+    from deployments.offline import DECODE_CALLS_IN_FLIGHT, Decode, PathStage, assemble, pages_of, views_of
+    from deployments.protocol import OcrOptions, validate
+    config = AppConfig(max_batch=2, decoder_queue=2)
+    decode = ocr_dataset(ray.data.from_items([{"bytes": b""}]), config=config, mode="tiny")._logical_plan.dag
+    assert decode.name == "MapBatches(Decode)" and decode.compute.max_concurrent_calls_per_actor > 1
+    assert decode.batch_size * DECODE_CALLS_IN_FLIGHT == 2 * (2 + 2)
+
+    options = validate(OcrOptions, {"max_tokens": 40, "mode": "tiny"}, strict=False)
+    stages = [PathStage("global", config), PathStage("local", config), Decode(config, options)]
+
+    def batch(first: int) -> dict:
+        rows = [row for i in range(first, first + 3)
+                for row in pages_of({"bytes": noise_png((400, 300), i), "path": f"p{i}.png"}, 144, 10)]
+        views = views_of({key: [row[key] for row in rows] for key in rows[0]}, None, "tiny", options.max_crops)
+        return assemble(stages[1](stages[0](views)), None)
+
+    async def together():
+        return await asyncio.gather(*(stages[2](batch(first)) for first in (0, 3, 6)))
+    outs = asyncio.run(together())
+    assert [out["source"] for out in outs] == [[f"p{i}.png" for i in range(f, f + 3)] for f in (0, 3, 6)]
+    assert all(error is None for out in outs for error in out["error"]), [out["error"] for out in outs]
+    assert all(tokens == 40 for out in outs for tokens in out["completion_tokens"])
+
+
 def test_a_killed_decoder_actor_s_pages_are_done_again_and_appear_once(serve_app):
     """The Decode actor's process killed (SIGKILL) once the first page is out, the others still
     queued or generating in it (a decoder of 2 running and 2 waiting, a page per batch): Ray Data
