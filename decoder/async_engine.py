@@ -18,6 +18,7 @@ from .engine import GenerationEngine
 from .sequence import Delta, GenerationRequest
 
 log = logging.getLogger(__name__)
+HELD_POLL_S = 0.05  # how often held batch work looks whether it may run
 
 
 @dataclass
@@ -186,6 +187,9 @@ class AsyncEngine:
                 counters.idle_s += time.perf_counter() - waited
                 self._progress = time.monotonic()
                 continue
+            if self.engine.only_held_work():  # batch work: look again soon, not in a busy loop
+                self._wake.wait(HELD_POLL_S)
+                self._wake.clear()
             try:
                 started, cpu = time.perf_counter(), time.thread_time()
                 deltas = self.engine.step()

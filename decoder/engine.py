@@ -161,6 +161,13 @@ class GenerationEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._inflight)
 
+    def only_held_work(self) -> bool:
+        """Whether all the work there is is batch work held back (waiting out the quiet after
+        interactive work): a step would do nothing yet."""
+        s = self.scheduler
+        return bool(s.held or s.held_preempted) and not (s.waiting or s.running or s.preempted or self._inflight
+                                                        or self._prefilled)
+
     def probe(self) -> None:
         """A cheap run of the real model on one token, outside the cache (health checks); on a
         GPU it waits for the device, so a broken CUDA context raises here."""
@@ -173,11 +180,12 @@ class GenerationEngine:
         self.cache.clear()
 
     def abort(self, request_id: str) -> Delta | None:
-        for request in list(self.waiting):
-            if request.request_id == request_id:
-                self.waiting.remove(request)
-                return Delta(request_id, "", [], True, "aborted", len(request.prompt_ids))
-        for seq in itertools.chain(self.running, self.preempted):
+        for queue in (self.waiting, self.scheduler.held):
+            for request in list(queue):
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    return Delta(request_id, "", [], True, "aborted", len(request.prompt_ids))
+        for seq in itertools.chain(self.running, self.preempted, self.scheduler.held_preempted):
             if seq.request.request_id == request_id and not seq.done:
                 self._retire(seq)
                 return self.output.delta(seq, [], "aborted")
@@ -199,6 +207,7 @@ class GenerationEngine:
         only then do the per-token host work (n-gram state, detokenising, stop strings, deltas)
         while that step runs."""
         self.prepare()
+        self.scheduler.let_in_batch()
         if self.overlap_picks and self._overlap_ready():
             return self._overlapped_step()
         scheduler = self.scheduler
@@ -212,6 +221,8 @@ class GenerationEngine:
             self._prefilled = None
             picked += self._take(seqs, logits if rows is None else logits[rows])
         scheduler.leave_retired()
+        if scheduler.must_yield():  # batch rows to interactive work (never in the overlapped path)
+            scheduler.yield_rows()
         if scheduler.running and self.prefill_behind_decode:
             self._decode_then_prefill()
             return self.output.report(picked, self._retire)
@@ -244,7 +255,7 @@ class GenerationEngine:
         """A decode step is in flight and no preemption is due this step (that takes the step
         that reads its picks first); nor, without `prefill_behind_decode`, a prefill group."""
         scheduler = self.scheduler
-        if self._inflight is None:
+        if self._inflight is None or scheduler.must_yield():  # yielding rows is preempting
             return False
         staying = len(scheduler.running) - len(scheduler.leaving) - len(self._ending_at_pick())
         if staying == 0:

@@ -12,6 +12,7 @@ from .repetition import LoopDetector, RepetitionGuard
 from .tokenizer import IncrementalDecoder
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range
+PRIORITIES = ("interactive", "batch")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None  # None: a fresh random seed per request
     skip_special_tokens: bool = False  # drop the tokenizer's special tokens (grounding tags) from text
+    priority: str = "interactive"  # or "batch": admitted below interactive work (scheduling.py)
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -37,6 +39,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {PRIORITIES}, got {self.priority!r}")
 
 
 @dataclass(eq=False)  # identity: requests hold tensors, and two may be equal

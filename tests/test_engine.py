@@ -1036,3 +1036,86 @@ def test_no_request_waits_on_a_kernel_compile_after_prepare():
                          for n in lengths])
     print(f"compiled kernel variants after prepare(): {before}, after prefills: {compiled()}")
     assert compiled() == before
+
+
+def batch_request(tokenizer, prompt, max_tokens, seed):
+    return make_request(tokenizer, prompt, (), max_tokens, seed, ngram=OFF, priority="batch")
+
+
+def test_batch_work_gives_its_rows_to_interactive_work_and_takes_them_back(model, tokenizer):
+    """Four batch requests fill the engine's 4 rows; an interactive one arrives: the next step
+    the batch sequences yield their rows (preempted: none is kept beside interactive work by
+    default), it runs alone, and after it (the quiet time set to none here) the batch resumes.
+    Every answer equals the request generated alone: yielding loses nothing."""
+    batch = [batch_request(tokenizer, f"page {i}", 30, i) for i in range(4)]
+    interactive = make_request(tokenizer, "hello", (), 12, 9, ngram=OFF)
+    engine = GenerationEngine(model, tokenizer, max_batch=4, max_len=1024)
+    scheduler = engine.scheduler
+    scheduler.batch_resume_s = 0.0
+    ids = [engine.add(r) for r in batch]
+    results = {i: Delta(i, "", []) for i in ids}
+    for _ in range(3):
+        for d in engine.step():
+            results[d.request_id].merge(d)
+    assert scheduler.batch_running == 4  # no interactive work: the batch takes every row
+    ids.append(engine.add(interactive))
+    results[ids[-1]] = Delta(ids[-1], "", [])
+    alongside = []
+    while not results[ids[-1]].finished:
+        for d in engine.step():
+            results[d.request_id].merge(d)
+        if any(s.request is interactive for s in scheduler.running):
+            alongside.append(scheduler.batch_running)
+    assert alongside and max(alongside) == 0 and scheduler.yields == 4
+    assert not any(results[i].finished for i in ids[:4])  # the batch waited
+    while engine.has_work():
+        for d in engine.step():
+            results[d.request_id].merge(d)
+    for request, request_id in zip(batch + [interactive], ids):
+        (alone,) = GenerationEngine(model, tokenizer, max_batch=1, max_len=1024).generate([request])
+        assert results[request_id].token_ids == alone.token_ids
+
+
+def test_interactive_work_goes_ahead_of_batch_work_waiting_and_batch_work_waits_out_the_quiet(model, tokenizer):
+    """One row: two batch requests queued first, then an interactive one: it runs first. After
+    it, the batch waits the quiet time before it runs (`only_held_work` meanwhile: the async
+    engine looks again every HELD_POLL_S instead of spinning); `batch_beside_interactive` rows
+    let batch work run beside interactive work; a held request can be aborted."""
+    engine = GenerationEngine(model, tokenizer, max_batch=1, max_len=1024)
+    scheduler = engine.scheduler
+    first, second = batch_request(tokenizer, "a", 8, 1), batch_request(tokenizer, "b", 8, 2)
+    interactive = make_request(tokenizer, "hello", (), 6, 3, ngram=OFF)
+    ids = [engine.add(r) for r in (first, second, interactive)]
+    finished = []
+    while not finished:
+        finished += [d.request_id for d in engine.step() if d.finished]
+    assert finished == [ids[2]] and engine.only_held_work()  # within the quiet second
+    assert engine.abort(ids[1]).finish_reason == "aborted"
+    scheduler.batch_resume_s = 0.0
+    while engine.has_work():
+        finished += [d.request_id for d in engine.step() if d.finished]
+    assert finished == [ids[2], ids[0]]
+
+    wide = GenerationEngine(model, tokenizer, max_batch=3, max_len=1024)
+    wide.scheduler.batch_beside_interactive = 1
+    for r in (batch_request(tokenizer, "c", 20, 4), batch_request(tokenizer, "d", 20, 5),
+              make_request(tokenizer, "hi", (), 20, 6, ngram=OFF)):
+        wide.add(r)
+    for _ in range(3):
+        wide.step()
+    assert len(wide.scheduler.running) == 2 and wide.scheduler.batch_running == 1
+
+
+def test_pages_running_out_preempt_batch_sequences_before_interactive_ones(model, tokenizer):
+    """A KV cache of 5 pages: an interactive sequence admitted first and two batch ones (let in
+    beside it) grow until pages run out: a batch sequence is the one preempted, never the
+    newer interactive one, and all three still equal their requests generated alone."""
+    engine = GenerationEngine(model, tokenizer, max_batch=3, max_len=2048, kv_cache_gb=page_budget_gb(model, 5))
+    engine.scheduler.batch_beside_interactive = 2
+    batch = [batch_request(tokenizer, "hello " * 8, 100, 1), batch_request(tokenizer, "page", 110, 2)]
+    interactive = make_request(tokenizer, "<image>x", [30], 110, 3, ngram=OFF)
+    together = engine.generate([*batch, interactive])
+    assert engine.preemptions > 0 and engine.scheduler.yields == 0
+    for request, t in zip([*batch, interactive], together):
+        (alone,) = GenerationEngine(model, tokenizer, max_batch=1, max_len=2048).generate([request])
+        assert t.token_ids == alone.token_ids
