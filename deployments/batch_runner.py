@@ -27,6 +27,8 @@ log = logging.getLogger("ray.serve")
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/ocr")
 MAX_LINES = 50_000  # OpenAI's limit of lines a batch file holds
+RETRYABLE_STATUS = (429, 503)  # the app full (or a replica lost): the line is sent again
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 8.0
 
 
 class LeaseLost(Exception):
@@ -88,10 +90,12 @@ class BatchRunner:
     end (module docstring)."""
 
     def __init__(self, store: BatchStore, answer: Callable[[str, dict], Awaitable[tuple[int, dict]]],
-                 owner: str | None = None, lease_s: float = 30.0, concurrency: int = 8, poll_s: float = 1.0):
+                 owner: str | None = None, lease_s: float = 30.0, concurrency: int = 8, poll_s: float = 1.0,
+                 metrics: dict | None = None):
         self.store, self.answer = store, answer
         self.owner = owner or f"worker-{uuid.uuid4().hex[:12]}"
         self.lease_s, self.concurrency, self.poll_s = lease_s, concurrency, poll_s
+        self.metrics = metrics  # router_metrics()'s batch counters; None: not counted (tests)
 
     async def run_forever(self) -> None:
         while True:
@@ -143,12 +147,15 @@ class BatchRunner:
                     result = output_line(custom_id, None, None, {"code": "invalid_request", "message": why})
                     ok = False
                 else:
-                    status, answer = await self.answer(endpoint, body)
+                    status, answer = await self._answer_when_taken(endpoint, body, stop)
+                    if status is None:  # stopped while the app was full
+                        return
                     ok = 200 <= status < 300
                     problem = answer.get("error") or {}
                     error = None if ok else {"code": problem.get("type", "error"), "message": problem.get("message", "")}
                     result = output_line(custom_id, status, answer, error)
                 await asyncio.to_thread(self.store.record_line, batch_id, number, custom_id, ok, result)
+                self._count("lines", "ok" if ok else "failed")
 
         async def watch():
             """Renew the lease, and notice a cancel or the window's end, while the lines run."""
@@ -164,17 +171,43 @@ class BatchRunner:
                 if time.time() > expires_at:
                     stop.append(EXPIRED)
                     return
+        workers = [asyncio.create_task(worker()) for _ in range(min(self.concurrency, max(1, len(todo))))]
         watcher = asyncio.create_task(watch())
-        try:
-            await asyncio.gather(*(worker() for _ in range(min(self.concurrency, max(1, len(todo))))))
+
+        def stop_lines(_):
+            for w in workers if stop else ():
+                w.cancel()
+        watcher.add_done_callback(stop_lines)
+        try:  # a stop cancels the lines in flight (their requests end in the app): not recorded
+            await asyncio.gather(*workers, return_exceptions=True)
         finally:
             watcher.cancel()
+        for w in workers:
+            if not w.cancelled() and w.exception() is not None:
+                raise w.exception()
         if stop and stop[0] == "lost":
             raise LeaseLost(batch_id)
         current = await asyncio.to_thread(self.store.get_batch, batch_id)
         if current["status"] == CANCELLING:
             return CANCELLED
         return stop[0] if stop else COMPLETED
+
+    async def _answer_when_taken(self, endpoint: str, body: dict, stop: list) -> tuple[int | None, dict | None]:
+        """The line's answer; one refused because the app is full or lost a replica (503, 429:
+        a batch line is held below interactive work, and may find the app full) is sent again
+        after a pause, until it is taken or the batch stops (None)."""
+        pause = RETRY_FIRST_S
+        while not stop:
+            status, answer = await self.answer(endpoint, body)
+            if status not in RETRYABLE_STATUS:
+                return status, answer
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, RETRY_MAX_S)
+        return None, None
+
+    def _count(self, name: str, tag: str) -> None:
+        if self.metrics is not None:
+            self.metrics[f"batch_{name}"].inc(tags={"outcome" if name == "lines" else "status": tag})
 
     async def _finish(self, batch_id: str, status: str) -> None:
         """The output and error files from the recorded answers, then the batch's last status."""
@@ -191,6 +224,7 @@ class BatchRunner:
                 files[name] = made["id"]
         await self._set(batch_id, status, **files)
         await asyncio.to_thread(self.store.release, batch_id, self.owner)
+        self._count("batches", status)
 
     async def _set(self, batch_id: str, status: str, **fields) -> None:
         if not await asyncio.to_thread(self.store.set_status, batch_id, self.owner, status, **fields):

@@ -125,6 +125,9 @@ class AppConfig(BaseModel):
     batch_files: str = Field(
         "~/.deepseek-ocr/batch-files", description="uploaded and answer files' bytes: a directory, "
         "or a URI pyarrow opens (s3://bucket/prefix) for a cluster")
+    batch_lines_in_flight: int = Field(
+        256, ge=1, le=4096, description="batch jobs' lines each Router replica has in the app at once "
+        "(they run below interactive requests, so enough to fill a decoder's batch)")
     gpu_memory_fraction_global: float | None = Field(
         None, gt=0, le=1, description="GlobalEncoder's cap of its GPU's memory (shared GPUs)")
     gpu_memory_fraction_local: float | None = Field(

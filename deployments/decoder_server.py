@@ -68,6 +68,8 @@ class DecoderServer:
                 "gpu_ids": gpu_ids(),
                 "decode_graphs": engine.decode_graphs is not None,
                 "running": len(engine.running), "waiting": len(engine.waiting),
+                "batch_running": engine.scheduler.batch_running,
+                "batch_held": len(engine.scheduler.held) + len(engine.scheduler.held_preempted),
                 "preempted": len(engine.preempted), "preemptions": engine.preemptions,
                 "kv_cache_pages": engine.cache.num_pages, "kv_cache_pages_in_use": engine.cache.pages_in_use(),
                 "admission": {"held": self.admission.held, "capacity": self.admission.capacity,
@@ -110,12 +112,12 @@ class DecoderServer:
         on this replica's event loop), with its time in this replica (`timings`)."""
         request = GenerationRequest(prompt_ids, image_embeds, params)
         arrived, last = time.monotonic(), None
-        self._admit()
+        self._admit(params.priority)
         try:
             async for delta in self.engine.generate(request, stream=False):
                 last = delta
         finally:
-            self._leave()
+            self._leave(params.priority)
         timings = self._record_latency(request, last, arrived, last.first_token_at, time.monotonic())
         return {**self._as_dict(last), "timings": timings}
 
@@ -123,7 +125,7 @@ class DecoderServer:
                               params: SamplingParams) -> AsyncIterator[dict]:
         request = GenerationRequest(prompt_ids, image_embeds, params)
         arrived, first = time.monotonic(), None
-        self._admit()
+        self._admit(params.priority)
         try:
             async for delta in self.engine.generate(request):
                 first = first or time.monotonic()
@@ -131,20 +133,21 @@ class DecoderServer:
                     self._record_latency(request, delta, arrived, first, time.monotonic())
                 yield self._as_dict(delta)
         finally:
-            self._leave()
+            self._leave(params.priority)
 
-    def _admit(self) -> None:
+    def _admit(self, priority: str) -> None:
         """Take the request, or refuse it at once when the replica holds a full batch and
-        `decoder_queue` more (the Router answers 503 with Retry-After, as for any full queue)."""
-        if not self.admission.take():
-            raise BackPressureError(num_queued_requests=self.admission.held,
+        `decoder_queue` more of its class (the Router answers 503 with Retry-After, as for any
+        full queue; a batch job's line is tried again)."""
+        if not self.admission.take(priority):
+            raise BackPressureError(num_queued_requests=self.admission.held[priority],
                                     max_queued_requests=self.admission.capacity)
         if self.reporter is None:  # the replica's event loop exists by now
             self.reporter = asyncio.get_running_loop().create_task(self._report_every_second())
         self._record_load()
 
-    def _leave(self) -> None:
-        self.admission.release()
+    def _leave(self, priority: str) -> None:
+        self.admission.release(priority)
         self._record_load()
 
     @staticmethod
@@ -190,5 +193,8 @@ class DecoderServer:
             self.reported_tokens = generated
         metrics["running"].set(len(engine.running))
         metrics["waiting"].set(len(engine.waiting))
+        scheduler = engine.scheduler
+        metrics["batch_held"].set(len(scheduler.held) + len(scheduler.held_preempted))
+        metrics["batch_running"].set(scheduler.batch_running)
         metrics["preempted"].set(len(engine.preempted))
         metrics["kv_cache_usage"].set(engine.cache.pages_in_use() / engine.cache.num_pages)

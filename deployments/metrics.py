@@ -43,6 +43,10 @@ def router_metrics() -> dict:
                           tag_keys=("reason", "model")),
         "repetitions": Counter("ocr_repetition_detections", "attempts the loop detector ended",
                                tag_keys=("model",)),
+        "batch_lines": Counter("ocr_batch_lines", "batch jobs' lines answered, by outcome (ok, failed)",
+                               tag_keys=("outcome",)),
+        "batch_batches": Counter("ocr_batches", "batch jobs ended, by status (completed, failed, "
+                                 "cancelled, expired)", tag_keys=("status",)),
         "retries": Counter("ocr_retries", "attempts made again after a loop (or max_tokens, when asked)",
                            tag_keys=("model",)),
         "fallbacks": Counter("ocr_text_layer_fallbacks", "PDF pages answered with their text layer "
@@ -82,6 +86,10 @@ def decoder_metrics(model: str) -> dict:
                                     "(counted every second as they are made)", tag_keys=model_tag),
         "running": Gauge("ocr_decoder_running", "sequences being decoded", tag_keys=model_tag),
         "waiting": Gauge("ocr_decoder_waiting", "requests waiting for a slot", tag_keys=model_tag),
+        "batch_held": Gauge("ocr_decoder_batch_held", "batch jobs' requests held back below interactive "
+                            "work (not yet let into the queue, or yielded their rows)", tag_keys=model_tag),
+        "batch_running": Gauge("ocr_decoder_batch_running", "batch jobs' sequences being decoded",
+                               tag_keys=model_tag),
         "preempted": Gauge("ocr_decoder_preempted", "sequences preempted (KV-cache pages ran "
                            "out), waiting to resume", tag_keys=model_tag),
         "kv_cache_usage": Gauge("ocr_decoder_kv_cache_usage",

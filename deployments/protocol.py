@@ -178,6 +178,9 @@ class OcrOptions(BaseModel):
     dpi: int = Field(DEFAULT_DPI, ge=MIN_DPI, le=MAX_DPI)  # documents: page rendering
     stream: bool = False
     timeout_s: float | None = Field(None, gt=0, le=3600)  # default: the app's request_timeout_s
+    # "batch": generated below interactive requests (what batch jobs' lines run as): it waits
+    # while interactive work runs and fills what that leaves
+    priority: Literal["interactive", "batch"] = "interactive"
     model: str | None = None  # which served model (GET /v1/models); default: the app's first
     # documents: pages sent together as one multi-page request (Unlimited-OCR), the answer split
     # per page where the model marks it (<PAGE>)
@@ -231,7 +234,7 @@ class OcrOptions(BaseModel):
         return SamplingParams(max_tokens=self.max_tokens, stop=stop, ngram=self.ngram.config(ngram_default),
                               repetition=self.repetition_guard.config(),
                               temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                              skip_special_tokens=self.skip_special_tokens)
+                              skip_special_tokens=self.skip_special_tokens, priority=self.priority)
 
     def prompt_for(self, n_images: int, max_images: int, default_preset: str = "markdown") -> str:
         """The prompt for `n_images` images (the model's default preset, or the caller's prompt

@@ -111,7 +111,8 @@ class Router:
         # Batch jobs (OpenAI's Files and Batch API): their store, and this replica's worker,
         # started on the replica's event loop by its first request or health check.
         self.batches = BatchStore(expand(config.batch_store), FileStorage(expand(config.batch_files)))
-        self.batch_runner = BatchRunner(self.batches, self._answer_line, owner=f"router-{replica_id()}")
+        self.batch_runner = BatchRunner(self.batches, self._answer_line, owner=f"router-{replica_id()}",
+                                        concurrency=config.batch_lines_in_flight, metrics=router_metrics())
         self.batch_worker: asyncio.Task | None = None
 
     def _pipeline(self, model: str | None) -> OcrPipeline:
@@ -295,14 +296,17 @@ class Router:
 
     async def _answer_line(self, endpoint: str, body: dict) -> tuple[int, dict]:
         """A batch line, answered as an HTTP request of its endpoint with that JSON body is:
-        (status, body)."""
-        if endpoint == "/v1/ocr":
-            async def read():
+        (status, body); generated below interactive requests (`priority` "batch"), with no
+        time limit but its own `timeout_s` (its batch's window bounds it)."""
+        async def read():
+            if endpoint == "/v1/ocr":
                 source, options = ocr_json(body)
-                return source, OcrOptions.parse(options)
-            response = await self._run(read, self._ocr_work)
-        else:
-            response = await self._run(lambda: self._read_chat(body), self._chat_work)
+                inputs = (source, OcrOptions.parse(options))
+            else:
+                inputs = await self._read_chat(body)  # (source, options, the chat's own)
+            return (inputs[0], inputs[1].model_copy(update={"priority": "batch"}), *inputs[2:])
+        response = await self._run(read, self._ocr_work if endpoint == "/v1/ocr" else self._chat_work,
+                                   time_limit=False)
         if isinstance(response, Response):
             return response.status_code, json.loads(response.body)
         return 200, response
@@ -416,13 +420,14 @@ class Router:
         finally:
             self.inflight -= 1
 
-    async def _run(self, read, work):
-        """`work` on what `read()` gives, within the request's time limit; every error as the
-        one JSON envelope (an HTTP request's, or a batch line's)."""
+    async def _run(self, read, work, time_limit: bool = True):
+        """`work` on what `read()` gives, within the request's time limit (`timeout_s`, else
+        the app's unless `time_limit` is off); every error as the one JSON envelope (an HTTP
+        request's, or a batch line's)."""
         inputs = None
         try:
             inputs = await read()
-            limit = inputs[1].timeout_s or self.config.request_timeout_s
+            limit = inputs[1].timeout_s or (self.config.request_timeout_s if time_limit else None)
             return await asyncio.wait_for(work(*inputs), timeout=limit)
         except CLIENT_ERRORS as e:
             return bad_request(e, inputs[0] if inputs else None)

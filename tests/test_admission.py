@@ -18,9 +18,13 @@ requests = pytest.importorskip("requests")
 def test_the_gate_takes_a_full_batch_plus_a_bounded_queue():
     gate = DecoderAdmission(max_batch=2, queue_limit=2)
     assert all(gate.take() for _ in range(4))  # a burst: a batch's worth and a queue's
-    assert not gate.take() and gate.refused == 1 and gate.held == 4
+    assert not gate.take() and gate.refused == 1 and gate.held == {"interactive": 4, "batch": 0}
     gate.release()
     assert gate.take() and not gate.take()
+    # batch jobs' lines are counted apart: a full batch class leaves interactive places alone
+    assert all(gate.take("batch") for _ in range(4)) and not gate.take("batch")
+    gate.release("interactive")
+    assert gate.take("interactive") and gate.held == {"interactive": 4, "batch": 4}
     assert DecoderAdmission(max_batch=1, queue_limit=0).take()
     with pytest.raises(ValueError, match="queue_limit"):
         DecoderAdmission(1, -1)
@@ -52,7 +56,7 @@ def test_a_full_decoder_refuses_at_once_and_takes_again_when_room_frees():
             await stream.__anext__()
         done = await asyncio.gather(first, second)
         assert [d["completion_tokens"] for d in done] == [200, 200]
-        assert server.stats()["admission"] == {"held": 0, "capacity": 2, "refused": 2}
+        assert server.stats()["admission"] == {"held": {"interactive": 0, "batch": 0}, "capacity": 2, "refused": 2}
         return (await server.generate([0] * 8, [], params))["completion_tokens"]
     assert asyncio.run(scenario()) == 200
 

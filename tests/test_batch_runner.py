@@ -176,3 +176,54 @@ def test_batches_list_newest_first_in_pages(store):
     rest, more_after = store.list_batches(after=first[-1]["id"], limit=10)
     assert more and not more_after
     assert [b["id"] for b in first + rest] == made[::-1]  # made within one second: still in order
+
+
+class Counter:
+    def __init__(self):
+        self.counts: dict = {}
+
+    def inc(self, tags):
+        key = tuple(sorted(tags.items()))
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+
+def test_a_line_the_full_app_refuses_is_sent_again_and_counted_once(store, monkeypatch):
+    """A batch line refused as the app is full (503, 429: its class waits below interactive
+    work and may find the decoder's batch queue full) is not a failed line: it is sent again
+    after a pause until taken; the lines and the batch are counted in the metrics."""
+    from deployments import batch_runner
+    monkeypatch.setattr(batch_runner, "RETRY_FIRST_S", 0.01)
+    batch = submit(store, line("a") + "\n" + line("b") + "\n")
+    app, refusals = App(), {"a": 2, "b": 1}
+
+    async def full_at_first(endpoint, body):
+        if refusals[body["n"]]:
+            refusals[body["n"]] -= 1
+            return (503 if body["n"] == "a" else 429), {"error": {"message": "full", "type": "overloaded"}}
+        return await app(endpoint, body)
+    metrics = {"batch_lines": Counter(), "batch_batches": Counter()}
+    asyncio.run(BatchRunner(store, full_at_first, metrics=metrics).run_once())
+    done = store.get_batch(batch["id"])
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+    assert sorted(app.answered) == ["a", "b"] and refusals == {"a": 0, "b": 0}
+    assert metrics["batch_lines"].counts == {(("outcome", "ok"),): 2}
+    assert metrics["batch_batches"].counts == {(("status", "completed"),): 1}
+
+
+def test_a_cancel_ends_the_lines_held_in_the_app(store):
+    """Lines held in the app (below interactive work that never lets up) do not keep a
+    cancelled batch waiting: their calls are cancelled and the batch ends cancelled, those
+    lines unanswered."""
+    batch = submit(store)
+
+    async def cancelled():
+        app = App()
+        app.hold = asyncio.Event()  # never set: every line waits in the app
+        run = asyncio.create_task(BatchRunner(store, app, lease_s=0.3, concurrency=4).run_once())
+        while store.get_batch(batch["id"])["status"] != "in_progress":
+            await asyncio.sleep(0.01)
+        store.cancel(batch["id"])
+        await asyncio.wait_for(run, timeout=30)
+    asyncio.run(cancelled())
+    done = store.get_batch(batch["id"])
+    assert done["status"] == "cancelled" and done["request_counts"]["completed"] == 0
