@@ -129,13 +129,14 @@ class EncoderReplica:
                                         graphs=time.perf_counter() - loaded)
         return engine
 
-    async def encode(self, sent: Sent) -> torch.Tensor:
+    async def encode(self, sent: Sent, priority: str = "interactive") -> torch.Tensor:
         """One image, as sent (module docstring) -> what its role returns (`encoder_roles`): the
         GlobalEncoder its global view's tokens, the LocalEncoder its crops' tokens, the Encoder
-        its whole sequence [num_tokens, D] in its family's layout."""
+        its whole sequence [num_tokens, D] in its family's layout. A batch job's image
+        (`priority` "batch") waits behind interactive ones (`BatchQueue`)."""
         entered = time.perf_counter()
         image = await self._arrive(sent)
-        result = await self.batches.submit(image)
+        result = await self.batches.submit(image, batch=priority == "batch")
         self.handled.append((time.perf_counter() - entered) * 1e3)
         return result
 

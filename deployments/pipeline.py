@@ -120,7 +120,7 @@ class OcrPipeline:
     async def encode(self, images: list, options: OcrOptions) -> tuple[list[torch.Tensor], dict]:
         """Each image's sequence [num_tokens, D], and the stages' timings."""
         options.prompt_for(len(images), self.config.max_images_per_request)
-        return await self._encode(await self._preprocess(images, options))
+        return await self._encode(await self._preprocess(images, options), options.priority)
 
     async def ocr(self, images: list, options: OcrOptions, page: int = 0, arrived: float | None = None) -> dict:
         """One image request's answer; `timings` holds each stage and `total_ms`, the whole
@@ -288,7 +288,7 @@ class OcrPipeline:
             raise BadRequest(f"the prompt is {len(ids)} tokens ({image_tokens} of them image "
                              f"tokens) but the decoder's context holds {self.max_len}: send fewer "
                              f"images, or a smaller mode or max_crops")
-        seqs, timings = await self._encode(prepared)
+        seqs, timings = await self._encode(prepared, options.priority)
         return ids, seqs, timings, [p.original_size for p in prepared]
 
     async def _generate(self, ids: list[int], seqs: list, options: OcrOptions, num_images: int) -> dict:
@@ -354,14 +354,14 @@ class OcrPipeline:
                 raise of_image(e, index) from None
         return await asyncio.gather(*(one(i, image) for i, image in enumerate(images)))
 
-    async def _encode(self, prepared: list[Prepared]) -> tuple[list[torch.Tensor], dict]:
+    async def _encode(self, prepared: list[Prepared], priority: str) -> tuple[list[torch.Tensor], dict]:
         start = time.perf_counter()
 
         async def one(index: int, image: Prepared):
             if image.cached is not None:
                 return image.cached[0], {"preprocess_ms": 0.0, "encode_ms": 0.0, "assemble_ms": 0.0}
             try:
-                seq, stages = await self.encoder.encode(image.item)
+                seq, stages = await self.encoder.encode(image.item, priority)
             except ImageError as e:  # decoded in an encoder replica: its exception, this image's
                 raise of_image(e, index) from None
             assert seq.shape[0] == image.num_tokens, (seq.shape, image.num_tokens)

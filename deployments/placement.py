@@ -102,19 +102,19 @@ class PathEncoders:
     def prepare(self, image, mode: str, max_crops: int):
         return _bytes_or_pixels(image, mode, max_crops, self.decode_on_encoder, self.tiling)
 
-    async def encode(self, item) -> tuple[torch.Tensor, dict]:
+    async def encode(self, item, priority: str = "interactive") -> tuple[torch.Tensor, dict]:
         start = time.perf_counter()
         # One copy into the object store for both encoders (each call would make its own).
         sent = ray.put(item) if item.tiled else item
-        global_tokens, crop_tokens = await self._paths(sent, sent if item.tiled else None)
+        global_tokens, crop_tokens = await self._paths(sent, sent if item.tiled else None, priority)
         return self._assembled(item, global_tokens, crop_tokens, start, start)
 
-    async def _paths(self, to_global, to_local) -> tuple:
+    async def _paths(self, to_global, to_local, priority: str) -> tuple:
         """Both paths' tokens: the global view's call at once, the crops' beside it (`to_local`
         None: the image is not tiled)."""
-        global_call = asyncio.ensure_future(call_with_retry(self.global_encoder.encode, to_global))
+        global_call = asyncio.ensure_future(call_with_retry(self.global_encoder.encode, to_global, priority))
         try:
-            crop_tokens = (await call_with_retry(self.local_encoder.encode, to_local)
+            crop_tokens = (await call_with_retry(self.local_encoder.encode, to_local, priority)
                            if to_local is not None else None)
             return await global_call, crop_tokens
         finally:
@@ -141,13 +141,14 @@ class RouterViews(PathEncoders):
     def prepare(self, image, mode: str, max_crops: int):
         return start_preprocess(image, mode, max_crops, tiling=self.tiling)
 
-    async def encode(self, pending) -> tuple[torch.Tensor, dict]:
+    async def encode(self, pending, priority: str = "interactive") -> tuple[torch.Tensor, dict]:
         start = time.perf_counter()
-        global_call = asyncio.ensure_future(call_with_retry(self.global_encoder.encode, pending.global_view))
+        global_call = asyncio.ensure_future(call_with_retry(self.global_encoder.encode, pending.global_view,
+                                                            priority))
         try:
             views = await asyncio.to_thread(pending.result)
             ready = time.perf_counter()
-            crop_tokens = (await call_with_retry(self.local_encoder.encode, views.crops)
+            crop_tokens = (await call_with_retry(self.local_encoder.encode, views.crops, priority)
                            if views.tiled else None)
             global_tokens = await global_call
         finally:
@@ -167,7 +168,7 @@ class WholeImages:
     @classmethod
     def deployment(cls, encoder, tiling: Tiling, config: AppConfig) -> WholeImages:
         """The Encoder deployment (one_encoder)."""
-        return cls(lambda image: call_with_retry(encoder.encode, image),
+        return cls(lambda image, priority: call_with_retry(encoder.encode, image, priority),
                    {"Encoder": remote_ready(encoder)}, tiling, config)
 
     @classmethod
@@ -182,9 +183,9 @@ class WholeImages:
     def prepare(self, image, mode: str, max_crops: int):
         return _bytes_or_pixels(image, mode, max_crops, self.decode_on_encoder, self.tiling)
 
-    async def encode(self, item) -> tuple[torch.Tensor, dict]:
+    async def encode(self, item, priority: str = "interactive") -> tuple[torch.Tensor, dict]:
         start = time.perf_counter()
-        seq = await self.call(item)
+        seq = await self.call(item, priority)
         return seq, {"preprocess_ms": 0.0, "encode_ms": (time.perf_counter() - start) * 1e3,
                      "assemble_ms": 0.0}
 
@@ -227,7 +228,7 @@ class Encoded:
     def prepare(self, image: EncodedImage, mode: str, max_crops: int) -> EncodedImage:
         return image
 
-    async def encode(self, item: EncodedImage) -> tuple[torch.Tensor, dict]:
+    async def encode(self, item: EncodedImage, priority: str = "interactive") -> tuple[torch.Tensor, dict]:
         return item.sequence, {"preprocess_ms": 0.0, "encode_ms": 0.0, "assemble_ms": 0.0}
 
     def stats(self) -> dict:

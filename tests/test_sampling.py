@@ -153,7 +153,7 @@ def test_unseeded_requests_draw_their_own_seeds(model):
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(temperature=2.5), dict(top_p=0),
-                                 dict(top_p=1.5), dict(seed=1.5), dict(seed=True)])
+                                 dict(top_p=1.5), dict(seed=1.5), dict(seed=True), dict(priority="high")])
 def test_bad_sampling_params_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)

@@ -223,6 +223,31 @@ def test_batch_queue_takes_what_queued_while_the_batch_before_ran():
     assert batches == [[0], [1, 2, 3, 4], [5, 6]] and count == 3
 
 
+def test_batch_queue_runs_batch_jobs_items_only_when_no_interactive_item_waits():
+    """Batch jobs' items queued first wait while interactive ones arrive: each batch takes the
+    interactive items waiting (never mixed with batch items), and the batch items run after."""
+    from scheduler import BatchQueue
+    batches = []
+
+    async def run(items):
+        batches.append(list(items))
+        await asyncio.sleep(0.02)
+        return items
+
+    async def scenario():
+        queue = BatchQueue(run, max_size=3, batch_max_size=3)
+        first = asyncio.ensure_future(queue.submit("i0"))
+        await asyncio.sleep(0.005)  # running
+        jobs = [asyncio.ensure_future(queue.submit(f"b{i}", batch=True)) for i in range(4)]
+        asked = [asyncio.ensure_future(queue.submit(f"i{i}")) for i in range(1, 3)]
+        await asyncio.sleep(0)
+        assert queue.queued() == 6
+        return await asyncio.gather(first, *jobs, *asked)
+    assert asyncio.run(scenario()) == ["i0", "b0", "b1", "b2", "b3", "i1", "i2"]
+    assert batches == [["i0"], ["i1", "i2"], ["b0", "b1", "b2"], ["b3"]]
+    assert BatchQueue(run, max_size=64).batch_max_size == 16  # batch jobs' batches: a quarter
+
+
 def test_batch_queue_counts_sizes_runs_oversized_items_alone_and_survives_errors():
     from scheduler import BatchQueue
     batches = []
