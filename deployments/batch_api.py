@@ -20,7 +20,7 @@ def upload(store: BatchStore, purpose: str | None, filename: str, data: bytes, m
     if purpose != PURPOSE:
         raise BadRequest(f"purpose must be {PURPOSE!r} (files here are batch inputs), got {purpose!r}", "purpose")
     if len(data) > max_bytes:
-        raise PayloadTooLarge(f"the file is {len(data)} bytes, over the limit of {max_bytes} (max_request_mb)",
+        raise PayloadTooLarge(f"the file is {len(data)} bytes, over the limit of {max_bytes} (batch_file_mb)",
                               "file")
     lines = sum(1 for line in data.splitlines() if line.strip())
     if lines > MAX_LINES:

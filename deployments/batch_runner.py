@@ -91,8 +91,9 @@ class BatchRunner:
 
     def __init__(self, store: BatchStore, answer: Callable[[str, dict], Awaitable[tuple[int, dict]]],
                  owner: str | None = None, lease_s: float = 30.0, concurrency: int = 8, poll_s: float = 1.0,
-                 metrics: dict | None = None):
+                 metrics: dict | None = None, turn: Callable[[], Awaitable[None]] | None = None):
         self.store, self.answer = store, answer
+        self.turn = turn  # awaited before each line goes into the app: while interactive work runs
         self.owner = owner or f"worker-{uuid.uuid4().hex[:12]}"
         self.lease_s, self.concurrency, self.poll_s = lease_s, concurrency, poll_s
         self.metrics = metrics  # router_metrics()'s batch counters; None: not counted (tests)
@@ -198,6 +199,8 @@ class BatchRunner:
         after a pause, until it is taken or the batch stops (None)."""
         pause = RETRY_FIRST_S
         while not stop:
+            if self.turn is not None:
+                await self.turn()
             status, answer = await self.answer(endpoint, body)
             if status not in RETRYABLE_STATUS:
                 return status, answer

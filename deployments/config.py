@@ -125,6 +125,8 @@ class AppConfig(BaseModel):
     batch_files: str = Field(
         "~/.deepseek-ocr/batch-files", description="uploaded and answer files' bytes: a directory, "
         "or a URI pyarrow opens (s3://bucket/prefix) for a cluster")
+    batch_file_mb: int = Field(
+        200, ge=1, le=2048, description="largest batch input file (OpenAI's limit; HTTP 413 above)")
     batch_lines_in_flight: int = Field(
         256, ge=1, le=4096, description="batch jobs' lines each Router replica has in the app at once "
         "(they run below interactive requests, so enough to fill a decoder's batch)")

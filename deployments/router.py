@@ -39,6 +39,7 @@ from .protocol import CLIENT_ERRORS, BadRequest, Document, Images, NotFound, Ocr
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="DeepSeek-OCR on Ray Serve")
+BATCH_QUIET_S = 0.5  # a Router without HTTP requests this long sends batch lines again
 
 
 # Module helpers come before the class: `serve.ingress` pickles the FastAPI app (and so the
@@ -106,13 +107,15 @@ class Router:
             self.served[pipeline.model_fields["model"]] = (tiers.model, pipeline)
         self.default_model = next(iter(self.served))
         self.inflight = 0  # HTTP requests being worked on (admission control)
+        self.idle_since = time.monotonic()  # when the last of them ended (batch lines' turn)
         self.inflight_limit = config.inflight_limit()
         self.started = int(time.time())
         # Batch jobs (OpenAI's Files and Batch API): their store, and this replica's worker,
         # started on the replica's event loop by its first request or health check.
         self.batches = BatchStore(expand(config.batch_store), FileStorage(expand(config.batch_files)))
         self.batch_runner = BatchRunner(self.batches, self._answer_line, owner=f"router-{replica_id()}",
-                                        concurrency=config.batch_lines_in_flight, metrics=router_metrics())
+                                        concurrency=config.batch_lines_in_flight, metrics=router_metrics(),
+                                        turn=self._batch_turn)
         self.batch_worker: asyncio.Task | None = None
 
     def _pipeline(self, model: str | None) -> OcrPipeline:
@@ -229,7 +232,7 @@ class Router:
     @api.post("/v1/files")
     async def http_upload(self, request: Request):
         async def upload():
-            limit = self.config.max_request_mb << 20
+            limit = self.config.batch_file_mb << 20
             check_length(request, limit + (1 << 20))  # the form's own bytes besides the file
             form = await request.form(max_files=1, max_fields=4, max_part_size=limit + 1)
             sent = form.get("file")
@@ -419,6 +422,14 @@ class Router:
             return await self._run(lambda: read(request), work)
         finally:
             self.inflight -= 1
+            self.idle_since = time.monotonic()
+
+    async def _batch_turn(self) -> None:
+        """A batch line goes into the app once this replica has had no HTTP request in flight
+        for BATCH_QUIET_S: the lines in flight already run below interactive work in the
+        encoders and the decoder; this keeps new ones out of their queues meanwhile."""
+        while self.inflight or time.monotonic() - self.idle_since < BATCH_QUIET_S:
+            await asyncio.sleep(BATCH_QUIET_S / 4)
 
     async def _run(self, read, work, time_limit: bool = True):
         """`work` on what `read()` gives, within the request's time limit (`timeout_s`, else

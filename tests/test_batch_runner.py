@@ -227,3 +227,23 @@ def test_a_cancel_ends_the_lines_held_in_the_app(store):
     asyncio.run(cancelled())
     done = store.get_batch(batch["id"])
     assert done["status"] == "cancelled" and done["request_counts"]["completed"] == 0
+
+
+def test_lines_wait_for_their_turn_before_going_into_the_app(store):
+    """The Router's turn (no interactive request in flight for a moment) is awaited before each
+    line is sent: none goes in while it is withheld, all do once it is given."""
+    batch = submit(store, "".join(line(f"t{i}") + "\n" for i in range(5)))
+
+    async def scenario():
+        app, given = App(), asyncio.Event()
+
+        async def turn():
+            await given.wait()
+        run = asyncio.create_task(BatchRunner(store, app, concurrency=2, turn=turn).run_once())
+        await asyncio.sleep(0.3)
+        assert app.answered == [] and store.get_batch(batch["id"])["status"] == "in_progress"
+        given.set()
+        await run
+        return app.answered
+    assert sorted(asyncio.run(scenario())) == [f"t{i}" for i in range(5)]
+    assert store.get_batch(batch["id"])["status"] == "completed"

@@ -114,6 +114,30 @@ def test_a_query_parameter_of_the_wrong_type_is_a_400_naming_it(serve_app):
         assert response.status_code == 400 and response.json()["error"]["param"] == "limit", route
 
 
+def test_any_request_may_ask_to_run_below_interactive_ones(serve_app):
+    """`"priority": "batch"` (what batch lines run as) is a request option like any: answered
+    the same; another value is a 400 naming it."""
+    body = {"image": png(7), "mode": "tiny", "max_tokens": 4}
+    answers = [requests.post(f"{SERVE_URL}/v1/ocr", json={**body, "priority": p}, timeout=120)
+               for p in ("interactive", "batch", "high")]
+    assert [a.status_code for a in answers] == [200, 200, 400]
+    assert answers[0].json()["text"] == answers[1].json()["text"]
+    assert answers[2].json()["error"]["param"] == "priority"
+
+
+def test_a_batch_file_over_its_limits_is_413_naming_it(client):
+    """Over `batch_file_mb` (1 on the test app) or over OpenAI's 50,000 lines: 413, the field
+    named, nothing kept."""
+    from deployments import batch_api
+    before = len(client.files.list().data)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.files.create(file=("big.jsonl", b"x" * ((1 << 20) + 10)), purpose="batch")
+    assert refused.value.status_code == 413 and refused.value.body["param"] == "file"
+    assert len(client.files.list().data) == before
+    with pytest.raises(batch_api.PayloadTooLarge, match="50000"):
+        batch_api.upload(None, "batch", "many.jsonl", b"{}\n" * (batch_api.MAX_LINES + 1), 1 << 30)
+
+
 def test_unknown_files_and_batches_are_404(client):
     for call in (lambda: client.files.retrieve("file-none"), lambda: client.files.content("file-none"),
                  lambda: client.batches.retrieve("batch-none"), lambda: client.batches.cancel("batch-none")):
