@@ -123,9 +123,10 @@ def make_workload(n: int, seed: int, workers: int = 1) -> list[WorkItem]:
         return list(pool.map(render, specs, chunksize=8))
 
 
-def smoke_lengths(items: list[WorkItem]) -> list[WorkItem]:
-    """The benches' CPU smoke runs (the tiny model on 2 cores): a hundredth of each page's tokens."""
-    return [replace(item, max_tokens=max(2, item.max_tokens // 100)) for item in items]
+def smoke_lengths(items: list[WorkItem], divide: int = 100) -> list[WorkItem]:
+    """The benches' CPU smoke runs (the tiny model on 2 cores): a hundredth of each page's
+    tokens (`divide`: another share)."""
+    return [replace(item, max_tokens=max(2, item.max_tokens // divide)) for item in items]
 
 
 def uniform_workload(n: int, seed: int, max_tokens: int = 700) -> list[WorkItem]:
