@@ -223,16 +223,21 @@ def test_batch_queue_takes_what_queued_while_the_batch_before_ran():
     assert batches == [[0], [1, 2, 3, 4], [5, 6]] and count == 3
 
 
+def recorded(batches: list):
+    """A batch runner that records each batch it runs and answers each item with itself."""
+    async def run(items):
+        batches.append(list(items))
+        await asyncio.sleep(0.02)
+        return items
+    return run
+
+
 def test_batch_queue_runs_batch_jobs_items_only_when_no_interactive_item_waits():
     """Batch jobs' items queued first wait while interactive ones arrive: each batch takes the
     interactive items waiting (never mixed with batch items), and the batch items run after."""
     from scheduler import BatchQueue
     batches = []
-
-    async def run(items):
-        batches.append(list(items))
-        await asyncio.sleep(0.02)
-        return items
+    run = recorded(batches)
 
     async def scenario():
         queue = BatchQueue(run, max_size=3, batch_max_size=3)
@@ -277,11 +282,7 @@ def test_batch_queue_counts_sizes_runs_oversized_items_alone_and_survives_errors
 def test_batch_queue_skips_items_of_cancelled_callers():
     from scheduler import BatchQueue
     batches = []
-
-    async def run(items):
-        batches.append(list(items))
-        await asyncio.sleep(0.02)
-        return items
+    run = recorded(batches)
 
     async def scenario():
         queue = BatchQueue(run, max_size=8)
