@@ -128,7 +128,8 @@ def main(argv=None) -> None:
     parser.add_argument("--config", default="gpu-shared.yaml")
     parser.add_argument("--interactive", type=int, default=64, help="pages of the interactive phase")
     parser.add_argument("--in_flight", type=int, default=16, help="interactive requests in flight")
-    parser.add_argument("--lines", type=int, default=512, help="pages of a batch job")
+    parser.add_argument("--lines", type=int, default=256, help="pages of a batch job (256 of the mix: "
+                        "~160 MB, within batch_file_mb)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--seed", type=int, default=0)
@@ -138,7 +139,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=RESULTS)
     opts = parser.parse_args(argv)
     if opts.smoke:
-        opts.tiny, opts.interactive, opts.in_flight, opts.lines, opts.reps = True, 6, 2, 12, 1
+        opts.tiny, opts.interactive, opts.in_flight, opts.lines, opts.reps = True, 4, 2, 6, 1
     if opts.tiny:
         opts.config = "cpu-tiny.yaml"
     e2e_bench.PORT, e2e_bench.URL = opts.port, f"http://127.0.0.1:{opts.port}"

@@ -44,7 +44,7 @@ SECONDS_ALONE = {
     TIMED_CLUSTERS: 350, ON_THE_SHARED_APP: 360, "tests/test_bench_scripts.py::test_e2e_bench_smoke": 56,
     "tests/test_bench_scripts.py::test_serve_bench_smoke": 45, "tests.test_attention": 44,
     "tests/test_bench_scripts.py::test_batch_bench_smoke": 23,
-    "tests/test_bench_scripts.py::test_priority_bench_smoke": 55,
+    "tests/test_bench_scripts.py::test_priority_bench_smoke": 46,
     "tests.test_unlimited_ocr_decoder": 44, "tests.test_engine": 40, "tests.test_graphs": 36,
     "tests.test_decoder_model": 20, "tests.test_offline_cluster": 35}
 

@@ -78,9 +78,9 @@ def test_priority_bench_smoke(tmp_path):
     assert set(result["setup"]["overrides"]) == {"http_options.host", "http_options.port",
                                                   "applications[0].args.batch_store",
                                                   "applications[0].args.batch_files"}
-    assert rep["batch"]["request_counts"] == {"total": 12, "completed": 12, "failed": 0}
-    assert rep["plain"]["requests"] == 12 and rep["plain"]["refusals"] == 0
-    assert rep["beside"]["requests"] == 6
+    assert rep["batch"]["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+    assert rep["plain"]["requests"] == 6 and rep["plain"]["refusals"] == 0
+    assert rep["beside"]["requests"] == 4
     assert summary["interactive_p50_beside_batch"] == pytest.approx(rep["beside"]["p50_s"] / rep["interactive"]["p50_s"])
     assert summary["batch_to_plain_lines_per_s"] == pytest.approx(
         rep["batch"]["lines_per_s"] / rep["plain"]["lines_per_s"])
