@@ -115,6 +115,9 @@ class BatchRunner:
         except Exception:  # noqa: BLE001 - the batch stays claimable: the next claim retries it
             log.exception("batch %s failed in this worker; released for another try", batch["id"])
             await asyncio.to_thread(self.store.release, batch["id"], self.owner)
+        except asyncio.CancelledError:  # the worker is stopped (its replica shuts down): the
+            self.store.release(batch["id"], self.owner)  # batch goes back now, not when the lease runs out
+            raise
         return True
 
     async def drive(self, batch: dict) -> None:

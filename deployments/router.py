@@ -187,6 +187,13 @@ class Router:
         for _, pipeline in self.served.values():
             await pipeline.encoder.check_health()
 
+    async def __del__(self):
+        """Serve's graceful shutdown of this replica: its batch worker stops and gives back the
+        batch it held (a restarted or updated app goes on from the recorded lines at once)."""
+        if self.batch_worker is not None:
+            self.batch_worker.cancel()
+            await asyncio.gather(self.batch_worker, return_exceptions=True)
+
     def _start_batch_worker(self) -> None:
         """This replica's batch worker, on its event loop (from the first request or health
         check, Serve's first call into the replica): unfinished batches resume after a restart."""
