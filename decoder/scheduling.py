@@ -96,11 +96,21 @@ class Scheduler:
 
     def let_in_batch(self) -> None:
         """Held batch work into the queues' tails, as far as its rows allow (resumed sequences
-        first); called before each step's admissions."""
-        if not (self.held or self.held_preempted):
+        first), or, once interactive work has come, the batch work let in and not yet running
+        back out of them (ahead of an interactive request, it would hold the queue's head);
+        called before each step's admissions."""
+        queued = (self.waiting and is_batch(self.waiting[-1])) or \
+            (self.preempted and is_batch(self.preempted[-1].request))
+        if not (self.held or self.held_preempted or queued):
             return
         room = self.batch_rows() - self.batch_running - sum(is_batch(s.request) for s in self.preempted) \
             - sum(map(is_batch, self.waiting))
+        while room < 0 and self.waiting and is_batch(self.waiting[-1]):
+            self.held.appendleft(self.waiting.pop())
+            room += 1
+        while room < 0 and self.preempted and is_batch(self.preempted[-1].request):
+            self.held_preempted.appendleft(self.preempted.pop())
+            room += 1
         while room > 0 and self.held_preempted:
             self.preempted.append(self.held_preempted.popleft())
             room -= 1

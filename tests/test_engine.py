@@ -1119,3 +1119,21 @@ def test_pages_running_out_preempt_batch_sequences_before_interactive_ones(model
     for request, t in zip([*batch, interactive], together):
         (alone,) = GenerationEngine(model, tokenizer, max_batch=1, max_len=2048).generate([request])
         assert t.token_ids == alone.token_ids
+
+
+def test_batch_work_let_in_and_not_yet_running_goes_back_when_interactive_work_comes(model, tokenizer):
+    """A batch sequence back from a preemption, let into the preempted queue (the first one a
+    prefill takes) while no interactive work was there, would hold that queue's head: when an
+    interactive request comes it goes back to the held work, and the interactive request is the
+    one admitted."""
+    engine = GenerationEngine(model, tokenizer, max_batch=2, max_len=1024)
+    scheduler = engine.scheduler
+    resumed = scheduler._sequence(batch_request(tokenizer, "later", 8, 1))
+    scheduler.held_preempted.append(resumed)
+    scheduler.let_in_batch()  # no interactive work: let in
+    assert list(scheduler.preempted) == [resumed]
+    interactive = make_request(tokenizer, "now", (), 8, 2, ngram=OFF)
+    engine.add(interactive)
+    scheduler.let_in_batch()
+    assert not scheduler.preempted and list(scheduler.held_preempted) == [resumed]
+    assert [seq.request for seq in scheduler.next_prefill_group()] == [interactive]
