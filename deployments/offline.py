@@ -129,10 +129,11 @@ def ocr_dataset(ds, checkpoint: str | None = None, *, config: AppConfig | None =
         raise BadRequest(str(e), "mode" if opts.mode not in tiling.modes else "max_crops") from None
     per_request = check_pages_per_request(opts, config.max_images_per_request)
     from ray.data import ActorPoolStrategy
-    # A Decoder actor's calls run together (`max_concurrency`: Ray Data's actors take one call
-    # at a time otherwise, and a batch's longest page then leaves the engine half idle), each a
-    # batch of pages; the calls in flight hold twice what the engine admits (a full batch plus
-    # its queue: Decode holds the rest back), so a batch ending is replaced while others decode.
+    # A Decoder actor's calls run together (`max_concurrent_calls_per_actor`: Ray Data's actors
+    # take one call at a time otherwise, and a batch's longest page then leaves the engine half
+    # idle), each a batch of pages; the calls in flight hold twice what the engine admits (a full
+    # batch plus its queue: Decode holds the rest back), so a batch ending is replaced while
+    # others decode.
     decode_batch = max(1, (config.max_batch + config.decoder_queue) // (DECODE_CALLS_IN_FLIGHT // 2))
     return (ds.flat_map(pages_of, fn_kwargs={"dpi": opts.dpi, "max_pages": config.max_pages,
                                              "skip": frozenset(skip), "per_request": per_request})
