@@ -377,16 +377,8 @@ def repetition(config: str, levels, pages: dict, first_page: bytes, first_tokens
     triton_files = triton_cache_files()
     log_path = os.path.join(work, "serve.log")
     log = open(log_path, "w")
-    # `deepseek-ocr serve` as this interpreter runs it (a carried Ray's console scripts may name
-    # another)
-    serve_run = [sys.executable, "-m", "deployments", config]
     started, started_at = time.perf_counter(), time.time()
-    # SIGINT at its default in `serve run` (stop() sends it, as Ctrl-C): a bench started in the
-    # background of a shell ignores it, and the ignoring is inherited (`serve run` then waited
-    # out stop()'s 60 s every repetition).
-    server = subprocess.Popen(serve_run, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, start_new_session=True,
-                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    server = serve_run(config, log)
     metrics = None
     try:
         cold_start, ready_s, first = wait_for_first_page(server, started, first_page, first_tokens, log_path)
@@ -467,6 +459,17 @@ def startup_phases(log: str, started_at: float) -> dict[str, float]:
                 at = time.mktime(time.strptime(stamp[1], "%Y-%m-%d %H:%M:%S")) + int(stamp[2]) / 1e3
                 found[phase] = at - started_at
     return {phase: found[phase] for phase, _ in STARTUP_MARKS if phase in found}
+
+
+def serve_run(config: str, log) -> subprocess.Popen:
+    """`deepseek-ocr serve <config>` as this interpreter runs it (a carried Ray's console
+    scripts may name another), its output into `log`, in a session of its own (`stop`)."""
+    # SIGINT at its default in `serve run` (stop() sends it, as Ctrl-C): a bench started in the
+    # background of a shell ignores it, and the ignoring is inherited (`serve run` then waited
+    # out stop()'s 60 s every repetition).
+    return subprocess.Popen([sys.executable, "-m", "deployments", config], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def stop(server) -> None:

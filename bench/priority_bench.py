@@ -33,7 +33,6 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import requests
 import yaml
@@ -47,16 +46,10 @@ TARGETS = {"interactive_p50_beside_batch": 1.1, "batch_to_plain_lines_per_s": 0.
 
 
 def interactive(items, in_flight: int) -> dict:
-    """Every item as a plain request, `in_flight` at a time: latencies and lines/s."""
-    start = time.perf_counter()
-    with ThreadPoolExecutor(in_flight) as pool:
-        answers = list(pool.map(lambda item: e2e_bench.ocr(item.image, item.max_tokens), items))
-    seconds = max(a["answered"] for a in answers) - start
-    latencies = sorted(a["answered"] - a["sent"] for a in answers)
-    return {"requests": len(items), "in_flight": in_flight, "seconds": seconds,
-            "lines_per_s": len(items) / seconds, "p50_s": statistics.median(latencies),
-            "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-            "refusals": sum(a["refusals"] for a in answers)}
+    """Every item as a plain request, `in_flight` at a time (e2e_bench's level): latencies and
+    pages/s."""
+    row, _ = e2e_bench.load(items, in_flight)
+    return {**row, "in_flight": in_flight}
 
 
 def upload(items) -> str:
@@ -102,7 +95,7 @@ def batch_alone(file_id: str, lines: int) -> dict:
     state = until(create(file_id), lambda s: s["status"] in ENDED)
     seconds = time.perf_counter() - start
     assert state["status"] == "completed", state
-    return {"lines": lines, "seconds": seconds, "lines_per_s": lines / seconds,
+    return {"pages": lines, "seconds": seconds, "pages_per_s": lines / seconds,
             "request_counts": state["request_counts"]}
 
 
@@ -175,10 +168,8 @@ def main(argv=None) -> None:
     in_flight_lines = yaml.safe_load(open(shipped))["applications"][0].get("args", {}).get(
         "batch_lines_in_flight", 256)
 
-    import subprocess
     log = open(os.path.join(work, "serve.log"), "w")
-    server = subprocess.Popen([sys.executable, "-m", "deployments", config], cwd=e2e_bench.ROOT, stdout=log,
-                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    server = e2e_bench.serve_run(config, log)
     reps = []
     try:
         e2e_bench.wait_for_first_page(server, time.perf_counter(), uniform_page("first page"), 4, log.name)
@@ -188,7 +179,7 @@ def main(argv=None) -> None:
                    "plain": interactive(plain, in_flight_lines)}
             rep["beside"] = beside_batch(files[1:], beside, opts.in_flight)
             reps.append(rep)
-            print(json.dumps({k: {m: v[m] for m in ("p50_s", "lines_per_s") if m in v} for k, v in rep.items()}),
+            print(json.dumps({k: {m: v[m] for m in ("p50_s", "pages_per_s") if m in v} for k, v in rep.items()}),
                   flush=True)
     finally:
         e2e_bench.stop(server)
@@ -198,7 +189,7 @@ def main(argv=None) -> None:
     gpus = gpu_names()
     summary = {"gpu": gpus[0] if gpus and not opts.tiny else "cpu (smoke)" if opts.smoke else "cpu",
                "interactive_p50_s": median("interactive", "p50_s"), "beside_p50_s": median("beside", "p50_s"),
-               "batch_lines_per_s": median("batch", "lines_per_s"), "plain_lines_per_s": median("plain", "lines_per_s"),
+               "batch_lines_per_s": median("batch", "pages_per_s"), "plain_lines_per_s": median("plain", "pages_per_s"),
                "batch_lines_done_beside": median("beside", "batch_lines_done_meanwhile"), "repetitions": len(reps)}
     summary["interactive_p50_beside_batch"] = summary["beside_p50_s"] / summary["interactive_p50_s"]
     summary["batch_to_plain_lines_per_s"] = summary["batch_lines_per_s"] / summary["plain_lines_per_s"]

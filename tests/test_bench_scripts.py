@@ -79,11 +79,11 @@ def test_priority_bench_smoke(tmp_path):
                                                   "applications[0].args.batch_store",
                                                   "applications[0].args.batch_files"}
     assert rep["batch"]["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
-    assert rep["plain"]["requests"] == 6 and rep["plain"]["refusals"] == 0
-    assert rep["beside"]["requests"] == 4
+    assert rep["plain"]["pages"] == 6 and rep["plain"]["refusals"] == 0
+    assert rep["beside"]["pages"] == 4
     assert summary["interactive_p50_beside_batch"] == pytest.approx(rep["beside"]["p50_s"] / rep["interactive"]["p50_s"])
     assert summary["batch_to_plain_lines_per_s"] == pytest.approx(
-        rep["batch"]["lines_per_s"] / rep["plain"]["lines_per_s"])
+        rep["batch"]["pages_per_s"] / rep["plain"]["pages_per_s"])
     assert set(summary["met"]) == set(summary["targets"])
 
 
