@@ -108,6 +108,8 @@ class Router:
         self.default_model = next(iter(self.served))
         self.inflight = 0  # HTTP requests being worked on (admission control)
         self.idle_since = time.monotonic()  # when the last of them ended (batch lines' turn)
+        self.no_requests = asyncio.Event()  # set while none is in flight
+        self.no_requests.set()
         self.inflight_limit = config.inflight_limit()
         self.started = int(time.time())
         # Batch jobs (OpenAI's Files and Batch API): their store, and this replica's worker,
@@ -424,19 +426,27 @@ class Router:
             return overloaded("overloaded", f"the server is at its limit of "
                               f"{self.inflight_limit} requests in flight; retry shortly")
         self.inflight += 1
+        self.no_requests.clear()
         protocol.REQUEST_ARRIVED.set(time.perf_counter())
         try:
             return await self._run(lambda: read(request), work)
         finally:
             self.inflight -= 1
             self.idle_since = time.monotonic()
+            if not self.inflight:
+                self.no_requests.set()
 
     async def _batch_turn(self) -> None:
         """A batch line goes into the app once this replica has had no HTTP request in flight
         for BATCH_QUIET_S: the lines in flight already run below interactive work in the
-        encoders and the decoder; this keeps new ones out of their queues meanwhile."""
-        while self.inflight or time.monotonic() - self.idle_since < BATCH_QUIET_S:
-            await asyncio.sleep(BATCH_QUIET_S / 4)
+        encoders and the decoder; this keeps new ones out of their queues meanwhile. The
+        workers wait on the event while requests run (not a poll on the replica's loop each)."""
+        while True:
+            await self.no_requests.wait()
+            quiet_for = time.monotonic() - self.idle_since
+            if quiet_for >= BATCH_QUIET_S and self.no_requests.is_set():
+                return
+            await asyncio.sleep(BATCH_QUIET_S - quiet_for)
 
     async def _run(self, read, work, time_limit: bool = True):
         """`work` on what `read()` gives, within the request's time limit (`timeout_s`, else
