@@ -165,8 +165,7 @@ class GenerationEngine:
         """Whether all the work there is is batch work held back (waiting out the quiet after
         interactive work): a step would do nothing yet."""
         s = self.scheduler
-        return bool(s.held or s.held_preempted) and not (s.waiting or s.running or s.preempted or self._inflight
-                                                        or self._prefilled)
+        return bool(s.batch_held) and not (s.waiting or s.running or s.preempted or self._inflight or self._prefilled)
 
     def probe(self) -> None:
         """A cheap run of the real model on one token, outside the cache (health checks); on a

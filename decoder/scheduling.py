@@ -118,6 +118,11 @@ class Scheduler:
             self.waiting.append(self.held.popleft())
             room -= 1
 
+    @property
+    def batch_held(self) -> int:
+        """Batch requests and sequences held back (not in the queues)."""
+        return len(self.held) + len(self.held_preempted)
+
     def must_yield(self) -> bool:
         """Whether batch sequences hold more rows than they may (`yield_rows` gives them back)."""
         return self.batch_running > 0 and self.batch_running > self.batch_rows()

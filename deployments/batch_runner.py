@@ -159,7 +159,7 @@ class BatchRunner:
                     error = None if ok else {"code": problem.get("type", "error"), "message": problem.get("message", "")}
                     result = output_line(custom_id, status, answer, error)
                 await asyncio.to_thread(self.store.record_line, batch_id, number, custom_id, ok, result)
-                self._count("lines", "ok" if ok else "failed")
+                self._count("batch_lines", outcome="ok" if ok else "failed")
 
         async def watch():
             """Renew the lease, and notice a cancel or the window's end, while the lines run."""
@@ -211,9 +211,9 @@ class BatchRunner:
             pause = min(pause * 2, RETRY_MAX_S)
         return None, None
 
-    def _count(self, name: str, tag: str) -> None:
+    def _count(self, metric: str, **tags: str) -> None:
         if self.metrics is not None:
-            self.metrics[f"batch_{name}"].inc(tags={"outcome" if name == "lines" else "status": tag})
+            self.metrics[metric].inc(tags=tags)
 
     async def _finish(self, batch_id: str, status: str) -> None:
         """The output and error files from the recorded answers, then the batch's last status."""
@@ -230,7 +230,7 @@ class BatchRunner:
                 files[name] = made["id"]
         await self._set(batch_id, status, **files)
         await asyncio.to_thread(self.store.release, batch_id, self.owner)
-        self._count("batches", status)
+        self._count("batch_batches", status=status)
 
     async def _set(self, batch_id: str, status: str, **fields) -> None:
         if not await asyncio.to_thread(self.store.set_status, batch_id, self.owner, status, **fields):

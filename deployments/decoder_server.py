@@ -69,7 +69,7 @@ class DecoderServer:
                 "decode_graphs": engine.decode_graphs is not None,
                 "running": len(engine.running), "waiting": len(engine.waiting),
                 "batch_running": engine.scheduler.batch_running,
-                "batch_held": len(engine.scheduler.held) + len(engine.scheduler.held_preempted),
+                "batch_held": engine.scheduler.batch_held,
                 "preempted": len(engine.preempted), "preemptions": engine.preemptions,
                 "kv_cache_pages": engine.cache.num_pages, "kv_cache_pages_in_use": engine.cache.pages_in_use(),
                 "admission": {"held": self.admission.held, "capacity": self.admission.capacity,
@@ -193,8 +193,7 @@ class DecoderServer:
             self.reported_tokens = generated
         metrics["running"].set(len(engine.running))
         metrics["waiting"].set(len(engine.waiting))
-        scheduler = engine.scheduler
-        metrics["batch_held"].set(len(scheduler.held) + len(scheduler.held_preempted))
-        metrics["batch_running"].set(scheduler.batch_running)
+        metrics["batch_held"].set(engine.scheduler.batch_held)
+        metrics["batch_running"].set(engine.scheduler.batch_running)
         metrics["preempted"].set(len(engine.preempted))
         metrics["kv_cache_usage"].set(engine.cache.pages_in_use() / engine.cache.num_pages)
