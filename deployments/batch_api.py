@@ -36,9 +36,7 @@ def list_files(store: BatchStore, purpose: str | None, after: str | None, limit:
     if after is not None:
         ids = [f["id"] for f in files]
         files = files[ids.index(after) + 1:] if after in ids else []
-    page = files[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(files) > limit}
+    return listing(files[:limit], len(files) > limit)
 
 
 def file_of(store: BatchStore, file_id: str) -> dict:
@@ -102,9 +100,13 @@ def batch_of(store: BatchStore, batch_id: str) -> dict:
 def list_batches(store: BatchStore, after: str | None, limit: int) -> dict:
     if not 1 <= limit <= 100:
         raise BadRequest(f"limit must be in [1, 100], got {limit}", "limit")
-    batches, more = store.list_batches(after, limit)
-    return {"object": "list", "data": batches, "first_id": batches[0]["id"] if batches else None,
-            "last_id": batches[-1]["id"] if batches else None, "has_more": more}
+    return listing(*store.list_batches(after, limit))
+
+
+def listing(page: list[dict], more: bool) -> dict:
+    """A page of a list in OpenAI's shape, with its cursors."""
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": more}
 
 
 def cancel(store: BatchStore, batch_id: str) -> dict:
