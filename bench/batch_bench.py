@@ -132,6 +132,7 @@ def main(argv=None) -> None:
     stages, config = default_layout(checkpoint, 0 if opts.smoke else 1, encoders=opts.encoders,
                                     decoders=opts.decoders)
     gpus, code, runs = gpu_names(), code_state(), []
+    service, decoder = load(opts.service), load(opts.decoder)
     for _ in range(opts.reps):
         ray.init(num_cpus=4 if opts.smoke else None, include_dashboard=False, log_to_driver=False)
         try:
@@ -144,7 +145,7 @@ def main(argv=None) -> None:
                    "error_count": sum(r["error_count"] for r in runs),
                    "until_first_page_s": middle["until_first_page_s"], "smoke": opts.smoke,
                    "runs_tokens_per_s": [r["tokens_per_s"] for r in runs], "repetitions": len(runs)}
-        summary |= ratios(summary | {"code": code}, load(opts.service), load(opts.decoder))
+        summary |= ratios(summary | {"code": code}, service, decoder)
         summary["targets"] = TARGETS
         write_result(opts.out, f"{opts.name}-smoke" if opts.smoke else opts.name, {
             "benchmark": "offline OCR on Ray Data (issue 55)", "date": datetime.date.today().isoformat(),
