@@ -27,9 +27,10 @@ SWITCHES = {s.name: s for s in (
     Switch("DEEPSEEK_OCR_TRITON", "1", ON_OFF,
            "torch's ops for every Triton kernel of the encoder and the decoder (the fused rel-pos "
            "attention then runs as `augmented`)"),
-    Switch("DEEPSEEK_OCR_ATTENTION", "fused", ("fused", "augmented", "dense"),
+    Switch("DEEPSEEK_OCR_ATTENTION", "fused", ("fused", "augmented", "blocked", "dense"),
            "`dense`: SAM's attention with the rel-pos bias made dense, then SDPA (encoder); "
-           "`augmented`: the bias as extra q/k columns in SDPA, as `fused` does without Triton"),
+           "`augmented`: the bias as extra q/k columns in SDPA, as `fused` does on CUDA without Triton; "
+           "`blocked`: the dense bias a block of queries at a time, as `fused` does on CPUs"),
     Switch("DEEPSEEK_OCR_WINDOW_KERNEL", "1", ON_OFF,
            "SAM's windows padded and partitioned before the attention kernel, not read in place", triton=True),
     Switch("DEEPSEEK_OCR_NORM_KERNEL", "1", ON_OFF,

@@ -130,6 +130,9 @@ class AppConfig(BaseModel):
     batch_lines_in_flight: int = Field(
         256, ge=1, le=4096, description="batch jobs' lines each Router replica has in the app at once "
         "(they run below interactive requests, so enough to fill a decoder's batch)")
+    batch_lease_s: float = Field(
+        30.0, ge=1, le=3600, description="how long a batch stays its Router replica's without renewal "
+        "(renewed every third of it): a replica that dies holding one, another takes it on this long after")
     gpu_memory_fraction_global: float | None = Field(
         None, gt=0, le=1, description="GlobalEncoder's cap of its GPU's memory (shared GPUs)")
     gpu_memory_fraction_local: float | None = Field(

@@ -116,7 +116,8 @@ class Router:
         # started on the replica's event loop by its first request or health check.
         self.batches = BatchStore(expand(config.batch_store), FileStorage(expand(config.batch_files)))
         self.batch_runner = BatchRunner(self.batches, self._answer_line, owner=f"router-{replica_id()}",
-                                        concurrency=config.batch_lines_in_flight, metrics=router_metrics(),
+                                        lease_s=config.batch_lease_s, concurrency=config.batch_lines_in_flight,
+                                        metrics=router_metrics(),
                                         turn=self._batch_turn)
         self.batch_worker: asyncio.Task | None = None
 

@@ -16,8 +16,12 @@ It is exact in real arithmetic and runs anywhere (CPU fp32 included).
 
 On CUDA in bf16/fp16 the fused path uses a Triton flash-attention kernel that adds the two terms
 inside the kernel (`triton_relpos.py`), keeping the real head dim; `supports()` guards it and
-DEEPSEEK_OCR_TRITON=0 switches it off. `dense_relpos_attention` is the reference twin used in
-tests and benchmarks; DEEPSEEK_OCR_ATTENTION=dense forces it everywhere.
+DEEPSEEK_OCR_TRITON=0 switches it off. On CPUs, which are bound by arithmetic rather than memory,
+the augmented head dim costs 3x (real dims) to 9x (the tiny model's) the dot products, so the
+fused path there adds the bias a block of queries at a time (`blocked_relpos_attention`: the bias
+of ~4 MB of logits at once, never the whole [HW, HW]; a tiny global block 2.5x faster).
+`dense_relpos_attention` is the reference twin used in tests and benchmarks;
+DEEPSEEK_OCR_ATTENTION=dense forces it everywhere, =augmented the augmented SDPA.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from common import switches
 
 from .derived import derived_table
 
-IMPLS = ("fused", "augmented", "dense")  # fused = Triton where supported, else augmented
+IMPLS = ("fused", "augmented", "blocked", "dense")  # fused: Triton on CUDA, else augmented; blocked on CPUs
 
 
 def default_impl() -> str:
@@ -86,6 +90,27 @@ def dense_relpos_attention(q, k, v, rel_h, rel_w):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
 
+# One block of queries' bias on a CPU: rows enough for ~4 MB of it, which stays in cache until
+# the attention reads it (at 64 MB, past the caches, a tiny global block was 2x slower).
+BLOCK_BYTES = 4 << 20
+
+
+def blocked_relpos_attention(q, k, v, rel_h, rel_w, block_bytes: int = BLOCK_BYTES):
+    """`dense_relpos_attention` a block of query rows at a time (each row's softmax is its own):
+    the bias of those rows only, so memory stays bounded while the dot products keep the real
+    head dim (the CPU's way: `augmented_relpos_attention` multiplies them)."""
+    bsz, n, hw, h = rel_h.shape
+    rows = max(1, block_bytes // (bsz * n * hw * q.element_size()))
+    if rows >= hw:
+        return dense_relpos_attention(q, k, v, rel_h, rel_w)
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    for start in range(0, hw, rows):
+        end = min(start + rows, hw)
+        bias = (rel_h[:, :, start:end, :, None] + rel_w[:, :, start:end, None, :]).reshape(bsz, n, end - start, hw)
+        out[:, :, start:end] = F.scaled_dot_product_attention(q[:, :, start:end], k, v, attn_mask=bias)
+    return out
+
+
 def _key_onehots(hw: tuple[int, int], device, dtype):
     """onehot(row) [HW, H] and onehot(col) [HW, W] of each key position (row-major grid)."""
     h, w = hw
@@ -130,13 +155,16 @@ def supports(q, rel_h, rel_w) -> bool:
 
 
 def fused_relpos_attention(q, k, v, rel_h, rel_w):
-    """The dense-bias result without the [HW, HW] tensor: Triton kernel, else augmented SDPA."""
+    """The dense-bias result without the [HW, HW] tensor: Triton kernel, else augmented SDPA on
+    CUDA, blocks of the bias on CPUs."""
     if supports(q, rel_h, rel_w) and k.stride(-1) == 1 and v.stride(-1) == 1:
         if torch.compiler.is_compiling():  # the custom op: torch.compile keeps it opaque
             return _triton().relpos_attention_triton(q, k, v, rel_h, rel_w)
         # Eager and graph capture launch the kernel directly: a custom op's first call imports
         # torch._dynamo (~900 modules, seconds of every encoder replica's start-up).
         return _triton().relpos_attention(q, k, v, rel_h, rel_w)
+    if q.device.type == "cpu":
+        return blocked_relpos_attention(q, k, v, rel_h, rel_w)
     return augmented_relpos_attention(q, k, v, rel_h, rel_w)
 
 
@@ -193,6 +221,8 @@ def relpos_attention(q, k, v, rel_pos_h, rel_pos_w, hw: tuple[int, int], impl: s
         return fused_relpos_attention(q, k, v, rel_h, rel_w)
     if impl == "augmented":
         return augmented_relpos_attention(q, k, v, rel_h, rel_w)
+    if impl == "blocked":
+        return blocked_relpos_attention(q, k, v, rel_h, rel_w)
     if impl == "dense":
         return dense_relpos_attention(q, k, v, rel_h, rel_w)
     raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")

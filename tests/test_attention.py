@@ -5,8 +5,8 @@ import torch
 
 from encoder import EncoderArgs
 from encoder.model import SamBlock
-from encoder.relpos_attention import (dense_relpos_attention, fused_relpos_attention, get_rel_pos,
-                                      rel_pos_terms, relpos_attention)
+from encoder.relpos_attention import (blocked_relpos_attention, dense_relpos_attention, fused_relpos_attention,
+                                      get_rel_pos, rel_pos_terms, relpos_attention)
 from tests.conftest import run_in_triton_interpreter
 from tests.helpers import rel_err
 
@@ -52,6 +52,17 @@ def test_fused_equals_dense_fp32(bsz, hw, rows):
     assert fused.shape == dense.shape == q.shape
     assert rel_err(fused, dense) <= 1e-5
     assert rel_err(dense, formula(q, k, v, rph, rpw, hw)) <= 1e-5
+
+
+@pytest.mark.parametrize("rows_per_block", [1, 333, 1000])
+def test_blocks_of_queries_equal_the_whole_dense_bias(rows_per_block):
+    """The CPU's way (`fused` there): the bias made `rows_per_block` query rows at a time, the
+    last block short, equals the whole dense bias's result."""
+    q, k, v, rph, rpw = inputs(2, (40, 40), 127, seed=3)
+    rel_h, rel_w = rel_pos_terms(q, rph, rpw, (40, 40))
+    row_bytes = 2 * 2 * 1600 * 4  # batch x heads x keys x fp32
+    blocked = blocked_relpos_attention(q, k, v, rel_h, rel_w, block_bytes=rows_per_block * row_bytes)
+    assert rel_err(blocked, dense_relpos_attention(q, k, v, rel_h, rel_w)) <= 1e-6
 
 
 def test_rel_pos_changes_the_result():

@@ -145,40 +145,62 @@ def test_unknown_files_and_batches_are_404(client):
             call()
 
 
-def test_an_app_stopped_mid_batch_and_started_again_finishes_it_as_an_uninterrupted_run(client, tmp_path):
-    """A second app on its own store (beside the shared one, under /restart): a batch started,
+def test_an_app_stopped_then_its_router_killed_mid_batch_finishes_it_as_an_uninterrupted_run(client, tmp_path):
+    """A second app on its own store (beside the shared one, under /restart): a batch started;
     the app deleted once some lines are answered (its Router's graceful shutdown gives the batch
-    back), the app started again on the same store: the batch completes at once from its
-    recorded lines, and its output equals the same file's batch run without a stop."""
+    back) and started again on the same store, which goes on from the recorded lines; then that
+    Router's process killed mid-batch (its lease runs out: `batch_lease_s`, 2 s here) and the
+    replica Serve starts in its place takes the batch on. Each line is in the output once, and
+    the output equals the same file's batch run without a stop."""
+    import os
+    import signal
+
     from ray import serve
 
     from deployments.app import build
+    from deployments.batch_store import BatchStore, FileStorage
     from deployments.config import AppConfig
     config = AppConfig(max_len=2048, max_images=8, batch_store=str(tmp_path / "batches.db"),
-                       batch_files=str(tmp_path / "files"), batch_lines_in_flight=2)
-    bodies = [{"image": png(20 + i), "mode": "tiny", "max_tokens": 48} for i in range(10)]
+                       batch_files=str(tmp_path / "files"), batch_lines_in_flight=2, batch_lease_s=2)
+    bodies = [{"image": png(20 + i), "mode": "tiny", "max_tokens": 48} for i in range(16)]
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/ocr", "body": b} for i, b in enumerate(bodies)]
     data = "\n".join(map(json.dumps, lines)).encode()
     restart = openai.OpenAI(base_url=f"{SERVE_URL}/restart/v1", api_key="unused", max_retries=0)
+    deadline = time.monotonic() + 180
 
     def start():
         serve.run(build(config), name="batch-restart", route_prefix="/restart")
+
+    def batch_once(completed: int):
+        """The batch once `completed` lines are recorded (or it ended); the calls that reach no
+        Router while a killed one is replaced are tried again."""
+        while time.monotonic() < deadline:
+            try:
+                batch = restart.batches.retrieve(batch_id)
+            except (openai.APIConnectionError, openai.APIStatusError):
+                batch = None
+            if batch is not None and (batch.request_counts.completed >= completed or batch.status == "completed"):
+                return batch
+            time.sleep(0.2)
+        raise AssertionError(f"batch {batch_id}: {completed} lines not done in time")
     start()
     try:
         upload = restart.files.create(file=("in.jsonl", data), purpose="batch")
-        batch = restart.batches.create(input_file_id=upload.id, endpoint="/v1/ocr", completion_window="24h")
-        deadline = time.monotonic() + 120
-        while restart.batches.retrieve(batch.id).request_counts.completed < 3 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        batch_id = restart.batches.create(input_file_id=upload.id, endpoint="/v1/ocr", completion_window="24h").id
+        batch_once(3)
         serve.delete("batch-restart")
-        from deployments.batch_store import BatchStore, FileStorage
         store = BatchStore(config.batch_store, FileStorage(config.batch_files))
-        assert store.get_batch(batch.id)["request_counts"]["completed"] < 10  # stopped midway
+        assert store.get_batch(batch_id)["request_counts"]["completed"] < 8  # stopped midway
         store.close()
         start()
-        while (batch := restart.batches.retrieve(batch.id)).status != "completed" and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert batch.status == "completed" and batch.request_counts.completed == 10
+        assert batch_once(8).status == "in_progress"  # resumed, not done
+        router = serve.get_deployment_handle("Router", "batch-restart").stats.remote().result(timeout_s=60)
+        os.kill(router["pid"], signal.SIGKILL)
+        batch = batch_once(16)
+        while batch.status != "completed" and time.monotonic() < deadline:  # finalizing
+            time.sleep(0.2)
+            batch = restart.batches.retrieve(batch_id)
+        assert batch.status == "completed" and batch.request_counts.completed == 16
         resumed = restart.files.content(batch.output_file_id).text
     finally:
         serve.delete("batch-restart")
@@ -186,7 +208,7 @@ def test_an_app_stopped_mid_batch_and_started_again_finishes_it_as_an_uninterrup
 
     def answers(text):
         rows = [json.loads(row) for row in text.splitlines()]
-        assert len({row["custom_id"] for row in rows}) == len(rows) == 10  # each line once
+        assert len({row["custom_id"] for row in rows}) == len(rows) == 16  # each line once
         return {row["custom_id"]: (row["response"]["status_code"], row["response"]["body"]["text"]) for row in rows}
     assert answers(resumed) == {key: (row["response"]["status_code"], row["response"]["body"]["text"])
                                 for key, row in whole.items()}
