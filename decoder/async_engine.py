@@ -124,7 +124,10 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:  # the consumer went away: free the slot
-                self._inbox.put(("abort", request.request_id, None, None))
+                # The request itself, not its id: the id is given where the engine thread adds
+                # it, which a consumer cancelled at once may not have reached yet (the abort,
+                # behind the add in the inbox, then read no id and the request ran to its end).
+                self._inbox.put(("abort", request, None, None))
                 self._wake.set()
 
     def _publish(self, delta: Delta) -> None:
@@ -164,8 +167,8 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - the health check raises it
                     payload.set_exception(e)
             else:  # abort: its consumer is gone, nobody to tell
-                self.engine.abort(payload)
-                self._streams.pop(payload, None)
+                self.engine.abort(payload.request_id)
+                self._streams.pop(payload.request_id, None)
 
     def _loop(self) -> None:
         try:

@@ -3,6 +3,8 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
@@ -310,6 +312,33 @@ def test_async_engine_bad_request_and_early_exit(model, tokenizer):
             break
         asyncio.run(asyncio.sleep(0.05))
     assert not engine.engine.has_work()
+
+
+def test_a_consumer_cancelled_before_the_engine_thread_adds_its_request_frees_it(model, tokenizer, monkeypatch):
+    """A request whose caller is cancelled before the engine thread has taken it in (a time
+    limit right after the call): it is aborted once added, not left to run to max_tokens
+    (the abort once carried the id, which only the add gives: seen in the suite, a PDF page's
+    generation running on ~30 s past its request's 408)."""
+    engine = AsyncEngine(GenerationEngine(model, tokenizer, max_batch=2, max_len=256))
+    thread_free, drain = threading.Event(), engine._drain_inbox
+
+    def held_drain():
+        thread_free.wait()
+        drain()
+    monkeypatch.setattr(engine, "_drain_inbox", held_drain)
+
+    async def cancelled_at_once():
+        task = asyncio.create_task(collect(engine, make_request(tokenizer, "long", (), 200)))
+        await asyncio.sleep(0.1)  # the add is in the inbox; the engine thread holds
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(cancelled_at_once())
+    thread_free.set()
+    for _ in range(100):
+        if not engine.engine.has_work() and engine._inbox.empty():
+            break
+        time.sleep(0.05)
+    assert not engine.engine.has_work() and not engine._streams
 
 
 def test_identical_requests_batch_together(model, tokenizer):
