@@ -4,9 +4,10 @@ config started by the README's command, pages over HTTP and batch jobs over the 
     python bench/priority_bench.py --checkpoint /tmp/ckpt      # one GPU: gpu-shared.yaml
     python bench/priority_bench.py --tiny --interactive 16 --in_flight 2 --lines 64   # CPU, tiny model
     python bench/priority_bench.py --smoke                     # CPU, a few pages: checks the script
+    python bench/priority_bench.py --url http://host:8000      # an app already running (its config)
 
 One `serve run` (e2e_bench's start and stop; only host, port, checkpoint and the batch store's
-place changed), then, each `--reps` times (medians reported), every phase on pages of its own
+place changed), or the app at `--url` (the suite's smoke: its shared app), then, each `--reps` times (medians reported), every phase on pages of its own
 (the Router's encoder cache never hits: a phase after another on the same pages would skip
 their encoding):
 1. `interactive`: `--interactive` pages with `--in_flight` requests in flight (a moderate load):
@@ -115,6 +116,28 @@ def beside_batch(file_ids: list[str], items, in_flight: int) -> dict:
     return row
 
 
+def serve_config(opts, shipped: str, work: str) -> tuple[str, dict]:
+    """The shipped config as `serve run` takes it here (the checkpoint, written if missing, and
+    the batch store in the bench's folder, not the user's home): its path and what changed."""
+    checkpoint = None
+    if not opts.tiny:
+        from decoder.config import DecoderArgs
+        from deployments.model_source import write_random_model
+        from encoder.config import EncoderArgs
+        checkpoint = opts.checkpoint or os.path.join(work, "ckpt")
+        if not os.path.isfile(os.path.join(checkpoint, "config.json")):
+            write_random_model(checkpoint, EncoderArgs(), DecoderArgs())
+    config = os.path.join(work, "serve.yaml")
+    overrides = e2e_bench.serve_config(shipped, config, checkpoint)
+    with open(config) as f:
+        serve = yaml.safe_load(f)
+    args = serve["applications"][0].setdefault("args", {})
+    args.update(batch_store=os.path.join(work, "batches.db"), batch_files=os.path.join(work, "batch-files"))
+    with open(config, "w") as f:
+        yaml.safe_dump(serve, f)
+    return config, overrides | {f"applications[0].args.{k}": args[k] for k in ("batch_store", "batch_files")}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", help="the real-dims random checkpoint (written here if missing)")
@@ -128,6 +151,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="CPU: cpu-tiny.yaml, a tenth of each page's tokens")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few pages: checks the script")
+    parser.add_argument("--url", help="measure the app running at this address (its own config and batch "
+                        "store) instead of starting --config")
     parser.add_argument("--name", default="priority")
     parser.add_argument("--out", default=RESULTS)
     opts = parser.parse_args(argv)
@@ -135,25 +160,10 @@ def main(argv=None) -> None:
         opts.tiny, opts.interactive, opts.in_flight, opts.lines, opts.reps = True, 4, 2, 6, 1
     if opts.tiny:
         opts.config = "cpu-tiny.yaml"
-    e2e_bench.PORT, e2e_bench.URL = opts.port, f"http://127.0.0.1:{opts.port}"
+    e2e_bench.PORT, e2e_bench.URL = opts.port, opts.url or f"http://127.0.0.1:{opts.port}"
     work = tempfile.mkdtemp(prefix="priority-")
-    checkpoint = None
-    if not opts.tiny:
-        from decoder.config import DecoderArgs
-        from deployments.model_source import write_random_model
-        from encoder.config import EncoderArgs
-        checkpoint = opts.checkpoint or os.path.join(work, "ckpt")
-        if not os.path.isfile(os.path.join(checkpoint, "config.json")):
-            write_random_model(checkpoint, EncoderArgs(), DecoderArgs())
-    shipped, config = e2e_bench.config_path(opts.config), os.path.join(work, "serve.yaml")
-    overrides = e2e_bench.serve_config(shipped, config, checkpoint)
-    with open(config) as f:  # the batch store in the bench's folder, not the user's home
-        serve = yaml.safe_load(f)
-    args = serve["applications"][0].setdefault("args", {})
-    args.update(batch_store=os.path.join(work, "batches.db"), batch_files=os.path.join(work, "batch-files"))
-    with open(config, "w") as f:
-        yaml.safe_dump(serve, f)
-    overrides |= {f"applications[0].args.{k}": args[k] for k in ("batch_store", "batch_files")}
+    shipped = e2e_bench.config_path(opts.config)
+    config, overrides = (None, None) if opts.url else serve_config(opts, shipped, work)
     # Each repetition's pages: interactive alone, interactive beside, batch, plain, two beside batches.
     sizes = [opts.interactive, opts.interactive, opts.lines, opts.lines, opts.lines, opts.lines]
     items = make_workload(opts.reps * sum(sizes), opts.seed, workers=os.cpu_count() or 1)
@@ -168,11 +178,8 @@ def main(argv=None) -> None:
     in_flight_lines = yaml.safe_load(open(shipped))["applications"][0].get("args", {}).get(
         "batch_lines_in_flight", 256)
 
-    log = open(os.path.join(work, "serve.log"), "w")
-    server = e2e_bench.serve_run(config, log)
-    reps = []
-    try:
-        e2e_bench.wait_for_first_page(server, time.perf_counter(), uniform_page("first page"), 4, log.name)
+    def repetitions() -> list[dict]:
+        reps = []
         for alone, beside, lines, plain, *background in phases:
             files = [upload(lines)] + [upload(more) for more in background]
             rep = {"interactive": interactive(alone, opts.in_flight), "batch": batch_alone(files[0], len(lines)),
@@ -181,8 +188,17 @@ def main(argv=None) -> None:
             reps.append(rep)
             print(json.dumps({k: {m: v[m] for m in ("p50_s", "pages_per_s") if m in v} for k, v in rep.items()}),
                   flush=True)
-    finally:
-        e2e_bench.stop(server)
+        return reps
+    if opts.url:
+        reps = repetitions()
+    else:
+        log = open(os.path.join(work, "serve.log"), "w")
+        server = e2e_bench.serve_run(config, log)
+        try:
+            e2e_bench.wait_for_first_page(server, time.perf_counter(), uniform_page("first page"), 4, log.name)
+            reps = repetitions()
+        finally:
+            e2e_bench.stop(server)
 
     def median(phase: str, key: str) -> float:
         return statistics.median(r[phase][key] for r in reps)
@@ -201,8 +217,9 @@ def main(argv=None) -> None:
     write_result(opts.out, f"{opts.name}-smoke" if opts.smoke else opts.name, {
         "benchmark": "batch jobs below interactive traffic (issue 56)",
         "date": datetime.date.today().isoformat(), "summary": summary, "code": code_state(),
-        "setup": {"config": os.path.relpath(shipped, e2e_bench.ROOT), "overrides": overrides, "gpus": gpus,
-                  "command": "deepseek-ocr serve <config> (python -m deployments)",
+        "setup": {"config": None if opts.url else os.path.relpath(shipped, e2e_bench.ROOT), "url": opts.url,
+                  "overrides": overrides, "gpus": gpus,
+                  "command": None if opts.url else "deepseek-ocr serve <config> (python -m deployments)",
                   "interactive_pages": opts.interactive, "in_flight": opts.in_flight, "batch_lines": opts.lines,
                   "plain_in_flight": in_flight_lines, "reps": opts.reps, "seed": opts.seed,
                   "weights": "tiny random" if opts.tiny else "random, real dims",

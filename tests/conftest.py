@@ -39,10 +39,7 @@ MODULES_ON_THE_SHARED_APP = {  # the modules using `serve_app` (checked at colle
 ONE_UNIT_PER_TEST = ("tests.test_bench_scripts",)
 TIMED_CLUSTERS = "timed-clusters"
 IN_TIMED_CLUSTERS = ("tests.test_autoscaling_cluster", "tests.test_cluster_operations", "tests.test_app_cli",
-                     "tests/test_bench_scripts.py::test_scaleout_bench_smoke",
-                     # a whole app beside the rolling update's 1,000-token streams slowed them past
-                     # their Decoder's grace period in two suites of 2026-12-07
-                     "tests/test_bench_scripts.py::test_priority_bench_smoke")
+                     "tests/test_bench_scripts.py::test_scaleout_bench_smoke")
 SECONDS_ALONE = {
     TIMED_CLUSTERS: 400, ON_THE_SHARED_APP: 360, "tests/test_bench_scripts.py::test_e2e_bench_smoke": 56,
     "tests/test_bench_scripts.py::test_serve_bench_smoke": 45, "tests.test_attention": 44,
@@ -179,7 +176,7 @@ class SharedApp:
             batch_jobs = tempfile.mkdtemp(prefix="batch-jobs-")  # this suite's own batch store
             self.handle = serve.run(build(AppConfig(max_len=2048, max_images=8, max_pages=400,
                                                     batch_store=f"{batch_jobs}/batches.db",
-                                                    batch_files=f"{batch_jobs}/files", batch_file_mb=1)),
+                                                    batch_files=f"{batch_jobs}/files", batch_file_mb=16)),
                                     name=SERVE_APP, route_prefix="/")
         return self.handle
 

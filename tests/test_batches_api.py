@@ -126,12 +126,12 @@ def test_any_request_may_ask_to_run_below_interactive_ones(serve_app):
 
 
 def test_a_batch_file_over_its_limits_is_413_naming_it(client):
-    """Over `batch_file_mb` (1 on the test app) or over OpenAI's 50,000 lines: 413, the field
+    """Over `batch_file_mb` (16 on the test app) or over OpenAI's 50,000 lines: 413, the field
     named, nothing kept."""
     from deployments import batch_api
     before = len(client.files.list().data)
     with pytest.raises(openai.APIStatusError) as refused:
-        client.files.create(file=("big.jsonl", b"x" * ((1 << 20) + 10)), purpose="batch")
+        client.files.create(file=("big.jsonl", b"x" * ((16 << 20) + 10)), purpose="batch")
     assert refused.value.status_code == 413 and refused.value.body["param"] == "file"
     assert len(client.files.list().data) == before
     with pytest.raises(batch_api.PayloadTooLarge, match="50000"):
@@ -212,3 +212,21 @@ def test_an_app_stopped_then_its_router_killed_mid_batch_finishes_it_as_an_unint
         return {row["custom_id"]: (row["response"]["status_code"], row["response"]["body"]["text"]) for row in rows}
     assert answers(resumed) == {key: (row["response"]["status_code"], row["response"]["body"]["text"])
                                 for key, row in whole.items()}
+
+
+@pytest.mark.slow
+def test_priority_bench_smoke(serve_app, tmp_path):
+    """bench/priority_bench.py's phases against this app (`--url`): interactive pages alone, a
+    batch job of other pages, those as plain requests, then the interactive phase beside two
+    running batch jobs, cancelled after; the ratios read from it."""
+    from tests.test_bench_scripts import run_smoke
+    result = run_smoke("priority_bench.py", "priority", tmp_path, "--url", SERVE_URL)
+    summary, (rep,) = result["summary"], result["reps"]
+    assert result["setup"]["url"] == SERVE_URL and result["setup"]["overrides"] is None
+    assert rep["batch"]["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+    assert rep["plain"]["pages"] == 6 and rep["plain"]["refusals"] == 0
+    assert rep["beside"]["pages"] == 4
+    assert summary["interactive_p50_beside_batch"] == pytest.approx(rep["beside"]["p50_s"] / rep["interactive"]["p50_s"])
+    assert summary["batch_to_plain_lines_per_s"] == pytest.approx(
+        rep["batch"]["pages_per_s"] / rep["plain"]["pages_per_s"])
+    assert set(summary["met"]) == set(summary["targets"])

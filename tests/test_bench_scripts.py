@@ -67,26 +67,6 @@ def test_batch_bench_smoke(tmp_path):
     assert "Decode" in run["ray_data_stats"] and result["code"]["python_sources_sha256"]
 
 
-@pytest.mark.slow
-def test_priority_bench_smoke(tmp_path):
-    """The tiny app as `serve run` starts it (only its port and batch store's place changed):
-    interactive pages alone, a batch job of other pages, those as plain requests, then the
-    interactive phase beside two running batch jobs, cancelled after; the ratios read from it."""
-    port = free_port()
-    result = run_smoke("priority_bench.py", "priority", tmp_path, "--port", str(port))
-    summary, (rep,) = result["summary"], result["reps"]
-    assert set(result["setup"]["overrides"]) == {"http_options.host", "http_options.port",
-                                                  "applications[0].args.batch_store",
-                                                  "applications[0].args.batch_files"}
-    assert rep["batch"]["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
-    assert rep["plain"]["pages"] == 6 and rep["plain"]["refusals"] == 0
-    assert rep["beside"]["pages"] == 4
-    assert summary["interactive_p50_beside_batch"] == pytest.approx(rep["beside"]["p50_s"] / rep["interactive"]["p50_s"])
-    assert summary["batch_to_plain_lines_per_s"] == pytest.approx(
-        rep["batch"]["pages_per_s"] / rep["plain"]["pages_per_s"])
-    assert set(summary["met"]) == set(summary["targets"])
-
-
 def test_batch_bench_ratios_read_one_machine_s_runs_and_refuse_others():
     """bench/batch_bench.py's ratios: against the median of the service's runs at 256 and the
     in-process decoder's figure, only from JSONs of the same card and code."""

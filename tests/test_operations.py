@@ -357,7 +357,7 @@ def test_killed_replicas_are_replaced_and_requests_complete(serve_app):
     import signal
 
     from ray import serve
-    body = {"image": page((800, 600)), "max_tokens": 8}  # 3x2 crops: both encoders, then decoding
+    body = {"image": page((1000, 500)), "max_tokens": 8}  # 2x1 crops: both encoders, then decoding
     done, kills, lock = [], {}, threading.Lock()
 
     def stats(name):
