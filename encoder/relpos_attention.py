@@ -100,15 +100,19 @@ def blocked_relpos_attention(q, k, v, rel_h, rel_w, block_bytes: int = BLOCK_BYT
     the bias of those rows only, so memory stays bounded while the dot products keep the real
     head dim (the CPU's way: `augmented_relpos_attention` multiplies them)."""
     bsz, n, hw, h = rel_h.shape
-    rows = max(1, block_bytes // (bsz * n * hw * q.element_size()))
+    # Rows per block from one image's size, not the batch's: an image's result must not depend
+    # on what it is batched with (SDPA's sums over a block can differ in the last bit by its rows).
+    rows = max(1, block_bytes // (n * hw * q.element_size()))
     if rows >= hw:
         return dense_relpos_attention(q, k, v, rel_h, rel_w)
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
-    block = q.new_empty(bsz, n, rows, h, rel_w.shape[-1])  # one buffer: a fresh one a block cost 1.6x
+    # One buffer for every block (a fresh one each cost 1.6x); fresh ones where autograd records.
+    reuse = not (torch.is_grad_enabled() and (rel_h.requires_grad or rel_w.requires_grad))
+    block = q.new_empty(bsz, n, rows, h, rel_w.shape[-1]) if reuse else None
     for start in range(0, hw, rows):
         end = min(start + rows, hw)
-        bias = block[:, :, :end - start]
-        torch.add(rel_h[:, :, start:end, :, None], rel_w[:, :, start:end, None, :], out=bias)
+        terms = rel_h[:, :, start:end, :, None], rel_w[:, :, start:end, None, :]
+        bias = torch.add(*terms, out=block[:, :, :end - start]) if reuse else torch.add(*terms)
         out[:, :, start:end] = F.scaled_dot_product_attention(q[:, :, start:end], k, v,
                                                               attn_mask=bias.flatten(-2))
     return out

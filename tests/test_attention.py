@@ -60,9 +60,12 @@ def test_blocks_of_queries_equal_the_whole_dense_bias(rows_per_block):
     last block short, equals the whole dense bias's result."""
     q, k, v, rph, rpw = inputs(2, (40, 40), 127, seed=3)
     rel_h, rel_w = rel_pos_terms(q, rph, rpw, (40, 40))
-    row_bytes = 2 * 2 * 1600 * 4  # batch x heads x keys x fp32
+    row_bytes = 2 * 1600 * 4  # heads x keys x fp32 (an image's: the blocks do not depend on the batch)
     blocked = blocked_relpos_attention(q, k, v, rel_h, rel_w, block_bytes=rows_per_block * row_bytes)
     assert rel_err(blocked, dense_relpos_attention(q, k, v, rel_h, rel_w)) <= 1e-6
+    for i in range(2):  # each image's result the same to the bit alone as batched (its blocks its own)
+        alone = [t[i:i + 1] for t in (q, k, v, rel_h, rel_w)]
+        assert torch.equal(blocked_relpos_attention(*alone, block_bytes=rows_per_block * row_bytes), blocked[i:i + 1])
 
 
 def test_rel_pos_changes_the_result():
