@@ -7,9 +7,9 @@ config started by the README's command, pages over HTTP and batch jobs over the 
     python bench/priority_bench.py --url http://host:8000      # an app already running (its config)
 
 One `serve run` (e2e_bench's start and stop; only host, port, checkpoint and the batch store's
-place changed), or the app at `--url` (the suite's smoke: its shared app), then, each `--reps` times (medians reported), every phase on pages of its own
-(the Router's encoder cache never hits: a phase after another on the same pages would skip
-their encoding):
+place changed), or the app at `--url` (the suite's smoke: its shared app), then, each `--reps`
+times (medians reported), every phase on pages of its own (the Router's encoder cache never
+hits: a phase after another on the same pages would skip their encoding):
 1. `interactive`: `--interactive` pages with `--in_flight` requests in flight (a moderate load):
    p50 / p99 latency;
 2. `batch`: `--lines` pages as one batch job (uploaded once; created, polled to `completed`):
