@@ -41,7 +41,7 @@ TIMED_CLUSTERS = "timed-clusters"
 IN_TIMED_CLUSTERS = ("tests.test_autoscaling_cluster", "tests.test_cluster_operations", "tests.test_app_cli",
                      "tests/test_bench_scripts.py::test_scaleout_bench_smoke")
 SECONDS_ALONE = {
-    TIMED_CLUSTERS: 400, ON_THE_SHARED_APP: 360, "tests/test_bench_scripts.py::test_e2e_bench_smoke": 56,
+    TIMED_CLUSTERS: 350, ON_THE_SHARED_APP: 360, "tests/test_bench_scripts.py::test_e2e_bench_smoke": 56,
     "tests/test_bench_scripts.py::test_serve_bench_smoke": 45, "tests.test_attention": 44,
     "tests/test_bench_scripts.py::test_batch_bench_smoke": 23,
     "tests.test_unlimited_ocr_decoder": 44, "tests.test_engine": 40, "tests.test_graphs": 36,

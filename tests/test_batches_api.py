@@ -171,18 +171,22 @@ def test_an_app_stopped_then_its_router_killed_mid_batch_finishes_it_as_an_unint
     def start():
         serve.run(build(config), name="batch-restart", route_prefix="/restart")
 
-    def batch_once(completed: int):
-        """The batch once `completed` lines are recorded (or it ended); the calls that reach no
-        Router while a killed one is replaced are tried again."""
+    def batch_when(done):
+        """The batch once `done(batch)`; the calls that reach no Router while a killed one is
+        replaced are tried again."""
         while time.monotonic() < deadline:
             try:
                 batch = restart.batches.retrieve(batch_id)
             except (openai.APIConnectionError, openai.APIStatusError):
                 batch = None
-            if batch is not None and (batch.request_counts.completed >= completed or batch.status == "completed"):
+            if batch is not None and done(batch):
                 return batch
             time.sleep(0.2)
-        raise AssertionError(f"batch {batch_id}: {completed} lines not done in time")
+        raise AssertionError(f"batch {batch_id} not there in time")
+
+    def batch_once(completed: int):
+        """The batch once `completed` lines are recorded (or it ended)."""
+        return batch_when(lambda b: b.request_counts.completed >= completed or b.status == "completed")
     start()
     try:
         upload = restart.files.create(file=("in.jsonl", data), purpose="batch")
@@ -196,11 +200,8 @@ def test_an_app_stopped_then_its_router_killed_mid_batch_finishes_it_as_an_unint
         assert batch_once(8).status == "in_progress"  # resumed, not done
         router = serve.get_deployment_handle("Router", "batch-restart").stats.remote().result(timeout_s=60)
         os.kill(router["pid"], signal.SIGKILL)
-        batch = batch_once(16)
-        while batch.status != "completed" and time.monotonic() < deadline:  # finalizing
-            time.sleep(0.2)
-            batch = restart.batches.retrieve(batch_id)
-        assert batch.status == "completed" and batch.request_counts.completed == 16
+        batch = batch_when(lambda b: b.status == "completed")  # past finalizing
+        assert batch.request_counts.completed == 16
         resumed = restart.files.content(batch.output_file_id).text
     finally:
         serve.delete("batch-restart")
