@@ -82,7 +82,7 @@ class Settings:
     plain_clients: int  # each sends whole-answer requests, one at a time
     stream_clients: int  # each sends `stream: true` requests, one at a time
     plain_tokens: int
-    stream_tokens: int  # a stream's generation: ~15-40 s for 1000 tokens on 2 busy cores
+    stream_tokens: int  # a stream's generation: ~15-100 s for 1000 tokens on 2 busy cores
     stream_rounds: int | None  # streams each stream client sends (None: until the load stops)
     warmup_s: float  # load before the update / the first kill
     after_s: float  # load after the update ended / after a lost node's tier is whole again
@@ -98,7 +98,7 @@ FULL = {"update": Settings(plain_clients=3, stream_clients=3, plain_tokens=8, st
         "loss": Settings(plain_clients=5, stream_clients=2, plain_tokens=8, stream_tokens=200,
                          stream_rounds=None, warmup_s=10, after_s=20, wait_s=180)}
 SHORT = {"update": Settings(plain_clients=3, stream_clients=2, plain_tokens=8, stream_tokens=1000,
-                            stream_rounds=1, warmup_s=4, after_s=3, wait_s=150),
+                            stream_rounds=1, warmup_s=4, after_s=3, wait_s=240),
          "loss": Settings(plain_clients=4, stream_clients=1, plain_tokens=8, stream_tokens=200,
                           stream_rounds=None, warmup_s=5, after_s=8, wait_s=150)}
 
