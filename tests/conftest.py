@@ -11,6 +11,14 @@ settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+# The clusters the tests start in their own processes run without the app's worker preload
+# (deployments/preload.py, which `import deployments.app` sets before Ray starts): it saves a
+# replica its imports' latency, not their CPU, and every other worker (Serve's controller and
+# proxy, Ray Data's helper actors and tasks, workers left idle) pays ~2-3 s of CPU for it. The
+# suite is CPU-bound: the offline command's test took 124 CPU-s with it, 104 without. Starts the
+# way users start the app (test_app_cli, the bench smokes) leave RAY_ variables out: preloaded.
+os.environ["RAY_preload_python_modules"] = ""
+
 from encoder import EncoderArgs, load_encoder, write_random_checkpoint
 from tests.helpers import free_port
 
@@ -24,24 +32,28 @@ def pytest_configure(config):
 # -- the suite on several worker processes (pytest-xdist; pyproject's addopts: `-n auto`) ------
 # Much of the suite's wall time is waiting (Ray clusters and apps starting, servers in other
 # processes, load steps): a second worker overlaps those waits with work. A unit of work keeps
-# its module-scoped fixtures on one worker: a module; the modules on the shared app, which start
-# it once; one test, in modules whose tests share nothing (each starts its own cluster); and the
-# tests whose timing is their subject (autoscaling, node loss, rolling updates, probes answered
-# at once), one after the other, never two of their clusters at once. Units go out
-# longest first (SECONDS_ALONE: alone on 2 cores, 2026-12-07; unlisted ones are short), so no
-# long one starts last. (`UnitScheduling` hands them out: xdist's own `--dist loadgroup` cannot
-# group under pytest 9, whose node ids it can no longer suffix.)
+# its module-scoped fixtures on one worker: a module; the modules on the shared app, in two
+# units (each worker that runs one starts its own app: one unit was ~800 of the suite's ~1000 s
+# of wall, longer than the rest of a worker's share); one test, in modules whose tests share
+# nothing (each starts its own cluster); and the tests whose timing is their subject
+# (autoscaling, node loss, rolling updates, probes answered at once), one after the other,
+# never two of their clusters at once. Units go out longest first (SECONDS_ALONE: alone on 2
+# cores, 2026-12-07; unlisted ones are short), so no long one starts last. (`UnitScheduling`
+# hands them out: xdist's own `--dist loadgroup` cannot group under pytest 9, whose node ids it
+# can no longer suffix.)
 WORKERS = 2  # 2 cores: more workers only slowed each other's clusters (docs/tests.md)
-ON_THE_SHARED_APP = "on-the-shared-app"
-MODULES_ON_THE_SHARED_APP = {  # the modules using `serve_app` (checked at collection)
-    "tests.test_admission", "tests.test_bad_inputs", "tests.test_batches_api", "tests.test_documents_api", "tests.test_models",
-    "tests.test_offline", "tests.test_openai_api", "tests.test_operations", "tests.test_serve"}
+ON_THE_SHARED_APP = {  # the modules using `serve_app` (checked at collection): their unit
+    **dict.fromkeys(("tests.test_offline", "tests.test_admission", "tests.test_documents_api",
+                     "tests.test_openai_api"), "on-the-shared-app-a"),
+    **dict.fromkeys(("tests.test_serve", "tests.test_batches_api", "tests.test_models", "tests.test_operations",
+                     "tests.test_bad_inputs"), "on-the-shared-app-b")}
 ONE_UNIT_PER_TEST = ("tests.test_bench_scripts",)
 TIMED_CLUSTERS = "timed-clusters"
 IN_TIMED_CLUSTERS = ("tests.test_autoscaling_cluster", "tests.test_cluster_operations", "tests.test_app_cli",
                      "tests/test_bench_scripts.py::test_scaleout_bench_smoke")
 SECONDS_ALONE = {
-    TIMED_CLUSTERS: 350, ON_THE_SHARED_APP: 360, "tests/test_bench_scripts.py::test_e2e_bench_smoke": 56,
+    TIMED_CLUSTERS: 350, "on-the-shared-app-a": 165, "on-the-shared-app-b": 195,
+    "tests/test_bench_scripts.py::test_e2e_bench_smoke": 56,
     "tests/test_bench_scripts.py::test_serve_bench_smoke": 45, "tests.test_attention": 44,
     "tests/test_bench_scripts.py::test_batch_bench_smoke": 23,
     "tests.test_unlimited_ocr_decoder": 44, "tests.test_engine": 40, "tests.test_graphs": 36,
@@ -52,8 +64,8 @@ def unit_of(nodeid: str) -> str:
     """The unit of work a test belongs to, from its node id (all the scheduler has)."""
     path, _, name = nodeid.partition("::")
     module, test = path.removesuffix(".py").replace("/", "."), f"{path}::{name.split('[')[0]}"
-    if module in MODULES_ON_THE_SHARED_APP:
-        return ON_THE_SHARED_APP
+    if module in ON_THE_SHARED_APP:
+        return ON_THE_SHARED_APP[module]
     if module in IN_TIMED_CLUSTERS or test in IN_TIMED_CLUSTERS:
         return TIMED_CLUSTERS
     return test if module in ONE_UNIT_PER_TEST else module
@@ -87,8 +99,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     on_app = {item.module.__name__ for item in items if "serve_app" in item.fixturenames}
-    missing = on_app - MODULES_ON_THE_SHARED_APP
-    assert not missing, f"add {missing} to MODULES_ON_THE_SHARED_APP (one unit with the others, one app)"
+    missing = on_app - set(ON_THE_SHARED_APP)
+    assert not missing, f"add {missing} to ON_THE_SHARED_APP (a unit of the modules on the shared app)"
     items.sort(key=lambda item: -SECONDS_ALONE.get(unit_of(item.nodeid), 0))  # stable: otherwise as collected
     if torch.cuda.is_available():
         return
@@ -195,15 +207,15 @@ SHARED_APP = SharedApp()
 @pytest.fixture(scope="module")
 def serve_app():
     """The app (tiny model, CPU, max_len 2048, max_images 8, max_pages 400) on a real Ray
-    cluster, started once for every module that uses it (one unit of work: they run together,
-    see `unit_of`): a handle to its Router; HTTP on SERVE_URL. A module that deploys another
-    app beside it deletes that app when done."""
+    cluster, started once in a worker for the modules that use it (two units of work: each
+    unit's modules run together, see `unit_of`): a handle to its Router; HTTP on SERVE_URL. A
+    module that deploys another app beside it deletes that app when done."""
     return SHARED_APP.start()
 
 
 @pytest.hookimpl(trylast=True)  # after the finished test's fixtures (apps deployed beside it) went
 def pytest_runtest_teardown(item, nextitem):
-    on_app = MODULES_ON_THE_SHARED_APP
+    on_app = ON_THE_SHARED_APP
     if item.module.__name__ in on_app and (nextitem is None or nextitem.module.__name__ not in on_app):
         SHARED_APP.stop()  # the worker's next unit runs without its cluster beside it
 
