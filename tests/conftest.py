@@ -11,13 +11,17 @@ settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-# The clusters the tests start in their own processes run without the app's worker preload
-# (deployments/preload.py, which `import deployments.app` sets before Ray starts): it saves a
-# replica its imports' latency, not their CPU, and every other worker (Serve's controller and
-# proxy, Ray Data's helper actors and tasks, workers left idle) pays ~2-3 s of CPU for it. The
-# suite is CPU-bound: the offline command's test took 124 CPU-s with it, 104 without. Starts the
-# way users start the app (test_app_cli, the bench smokes) leave RAY_ variables out: preloaded.
-os.environ["RAY_preload_python_modules"] = ""
+# The clusters the tests start run in this environment (the suite is CPU-bound; starts as users
+# start the app, test_app_cli's and the e2e bench's, leave RAY_ variables out):
+# - no worker preload (deployments/preload.py, which `import deployments.app` sets before Ray
+#   starts): it saves a replica its imports' latency, not their CPU, and every other worker
+#   (Serve's controller and proxy, Ray Data's helper actors and tasks, workers left idle) pays
+#   ~2-3 s of CPU for it: the offline command's test took 124 CPU-s with it, 104 without;
+# - Serve's replicas and its handles' routers (the proxy's, a Router's) hand their cached
+#   metrics to Ray each second, not every 100 ms, busy or idle (Ray reports them every few
+#   seconds anyway): an idle app and its cluster took 2.9 CPU-s in 20 s, not 3.5.
+TEST_CLUSTER_ENVIRONMENT = {"RAY_preload_python_modules": "", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+os.environ.update(TEST_CLUSTER_ENVIRONMENT)
 
 from encoder import EncoderArgs, load_encoder, write_random_checkpoint
 from tests.helpers import free_port
@@ -211,6 +215,24 @@ def serve_app():
     unit's modules run together, see `unit_of`): a handle to its Router; HTTP on SERVE_URL. A
     module that deploys another app beside it deletes that app when done."""
     return SHARED_APP.start()
+
+
+def routers_over_the_shared_tiers(name: str, config, routers: int = 1, own_decoder: bool = False) -> str:
+    """An app beside the shared one of `routers` Router replicas with `config`, over the shared
+    app's encoders and its Decoder, or (`own_decoder`) a Decoder of `config`'s: only those
+    replicas start (each ~3 CPU-s of imports; the suite is CPU-bound). Its URL; the caller
+    deletes it (`serve.delete(name)`)."""
+    from ray import serve
+
+    from deployments.decoder_server import DecoderServer
+    from deployments.placement import ModelTiers
+    from deployments.router import Router
+    tiers = [serve.get_deployment_handle(tier, SERVE_APP) for tier in ("GlobalEncoder", "LocalEncoder", "Decoder")]
+    if own_decoder:
+        tiers[2] = DecoderServer.options(name="Decoder").bind(config)
+    serve.run(Router.options(num_replicas=routers).bind(ModelTiers.of(config, *tiers), config),
+              name=name, route_prefix=f"/{name}")
+    return f"{SERVE_URL}/{name}"
 
 
 @pytest.hookimpl(trylast=True)  # after the finished test's fixtures (apps deployed beside it) went

@@ -10,6 +10,7 @@ from ray.serve.exceptions import BackPressureError
 from decoder import SamplingParams
 from deployments.config import AppConfig
 from scheduler import DecoderAdmission
+from tests.conftest import routers_over_the_shared_tiers
 from tests.helpers import png
 
 requests = pytest.importorskip("requests")
@@ -68,18 +69,9 @@ ROUTERS = 2  # more than one: each Router's own limit must take what the Decoder
 def routers(serve_app):
     """The app with its defaults (the tiny model, as the other Serve tests set it up) behind
     two Router replicas, on the test cluster: the Routers of an app of their own over the
-    shared app's encoders and Decoder (its defaults: what the Routers' admission must match),
-    so that only the Routers start."""
+    shared app's encoders and Decoder (its defaults: what the Routers' admission must match)."""
     from ray import serve
-
-    from deployments.placement import ModelTiers
-    from deployments.router import Router
-    from tests.conftest import SERVE_APP, SERVE_URL
-    config = AppConfig(max_len=2048, max_images=8)
-    tiers = ModelTiers.of(config, *(serve.get_deployment_handle(name, SERVE_APP)
-                                    for name in ("GlobalEncoder", "LocalEncoder", "Decoder")))
-    serve.run(Router.options(num_replicas=ROUTERS).bind(tiers, config), name="admission", route_prefix="/admission")
-    yield f"{SERVE_URL}/admission"
+    yield routers_over_the_shared_tiers("admission", AppConfig(max_len=2048, max_images=8), routers=ROUTERS)
     serve.delete("admission")
 
 
@@ -103,14 +95,10 @@ def test_256_requests_over_two_routers_are_all_taken_while_the_decoder_has_room(
 
 @pytest.fixture(scope="module")
 def small_decoder(serve_app):
-    """The app with a decoder that holds 2 decoding and 2 waiting."""
+    """A Router and a Decoder that holds 2 decoding and 2 waiting, over the shared encoders."""
     from ray import serve
-
-    from deployments.app import build
-    from tests.conftest import SERVE_URL
-    serve.run(build(AppConfig(max_len=2048, max_images=8, max_batch=2, decoder_queue=2)),
-              name="small-decoder", route_prefix="/small-decoder")
-    yield f"{SERVE_URL}/small-decoder"
+    config = AppConfig(max_len=2048, max_images=8, max_batch=2, decoder_queue=2)
+    yield routers_over_the_shared_tiers("small-decoder", config, own_decoder=True)
     serve.delete("small-decoder")
 
 

@@ -20,14 +20,16 @@ import yaml
 
 from bench import decoder_bench, e2e_bench
 from bench.workload import KIND_SHARES, draw_specs
+from tests.conftest import TEST_CLUSTER_ENVIRONMENT
 from tests.helpers import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_smoke(script: str, stem: str, out, *args: str) -> dict:
-    """`bench/<script> --smoke` in a fresh interpreter (its own Ray cluster): the JSON it wrote."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+def run_smoke(script: str, stem: str, out, *args: str, env_set: dict = TEST_CLUSTER_ENVIRONMENT) -> dict:
+    """`bench/<script> --smoke` in a fresh interpreter (its own Ray cluster, in the environment
+    of the suite's others unless `env_set` says otherwise): the JSON it wrote."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | env_set
     done = subprocess.run([sys.executable, f"bench/{script}", "--smoke", "--out", str(out), *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -116,7 +118,7 @@ def test_e2e_bench_smoke(tmp_path):
     """The shipped config with only host and port changed, the README's command, no variable
     set; the realistic mix, each page's own max_tokens; the Decoder's metrics read per level."""
     port = free_port()
-    result = run_smoke("e2e_bench.py", "e2e", tmp_path, "--port", str(port))
+    result = run_smoke("e2e_bench.py", "e2e", tmp_path, "--port", str(port), env_set={})
     setup = result["setup"]
     assert setup["config"] == "deployments/configs/cpu-tiny.yaml" and setup["environment_set"] == {}
     assert setup["overrides"] == {"http_options.host": "127.0.0.1", "http_options.port": port}

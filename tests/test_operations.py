@@ -14,7 +14,7 @@ import pytest
 requests = pytest.importorskip("requests")
 pytest.importorskip("ray")
 
-from tests.conftest import METRICS_PORT, SERVE_APP, SERVE_URL  # noqa: E402
+from tests.conftest import METRICS_PORT, SERVE_APP, SERVE_URL, routers_over_the_shared_tiers  # noqa: E402
 from tests.helpers import png  # noqa: E402
 
 KEY = "test-key-0123456789"
@@ -145,14 +145,13 @@ def test_full_downstream_queue_answers_503_json_with_retry_after():
 # --- the running app ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def limited(serve_app):
-    """A second app on the same cluster: an API key, two requests in flight per router."""
+    """A second app on the same cluster: an API key, two requests in flight per router (its
+    Router's settings: a Router over the shared app's tiers)."""
     from ray import serve
 
-    from deployments.app import build
     from deployments.config import AppConfig
-    serve.run(build(AppConfig(max_len=2048, max_images=8, api_key=KEY, max_inflight_requests=2)),
-              name="limited", route_prefix="/limited")
-    yield f"{SERVE_URL}/limited"
+    yield routers_over_the_shared_tiers("limited", AppConfig(max_len=2048, max_images=8, api_key=KEY,
+                                                             max_inflight_requests=2))
     serve.delete("limited")
 
 
