@@ -162,7 +162,7 @@ def test_an_app_stopped_then_its_router_killed_mid_batch_finishes_it_as_an_unint
     from deployments.config import AppConfig
     config = AppConfig(max_len=2048, max_images=8, batch_store=str(tmp_path / "batches.db"),
                        batch_files=str(tmp_path / "files"), batch_lines_in_flight=2, batch_lease_s=2)
-    bodies = [{"image": png(20 + i), "mode": "tiny", "max_tokens": 48} for i in range(16)]
+    bodies = [{"image": png(20 + i), "mode": "tiny", "max_tokens": 48} for i in range(24)]
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/ocr", "body": b} for i, b in enumerate(bodies)]
     data = "\n".join(map(json.dumps, lines)).encode()
     restart = openai.OpenAI(base_url=f"{SERVE_URL}/restart/v1", api_key="unused", max_retries=0)
@@ -192,16 +192,17 @@ def test_an_app_stopped_then_its_router_killed_mid_batch_finishes_it_as_an_unint
         upload = restart.files.create(file=("in.jsonl", data), purpose="batch")
         batch_id = restart.batches.create(input_file_id=upload.id, endpoint="/v1/ocr", completion_window="24h").id
         batch_once(3)
-        serve.delete("batch-restart")
+        serve.delete("batch-restart")  # (its batch worker takes lines until its Router is told to stop)
         store = BatchStore(config.batch_store, FileStorage(config.batch_files))
-        assert store.get_batch(batch_id)["request_counts"]["completed"] < 8  # stopped midway
+        stopped_at = store.get_batch(batch_id)["request_counts"]["completed"]
+        assert stopped_at < len(lines) // 2  # stopped midway
         store.close()
         start()
-        assert batch_once(8).status == "in_progress"  # resumed, not done
+        assert batch_once(stopped_at + 2).status == "in_progress"  # resumed, not done
         router = serve.get_deployment_handle("Router", "batch-restart").stats.remote().result(timeout_s=60)
         os.kill(router["pid"], signal.SIGKILL)
         batch = batch_when(lambda b: b.status == "completed")  # past finalizing
-        assert batch.request_counts.completed == 16
+        assert batch.request_counts.completed == len(lines)
         resumed = restart.files.content(batch.output_file_id).text
     finally:
         serve.delete("batch-restart")
@@ -209,7 +210,7 @@ def test_an_app_stopped_then_its_router_killed_mid_batch_finishes_it_as_an_unint
 
     def answers(text):
         rows = [json.loads(row) for row in text.splitlines()]
-        assert len({row["custom_id"] for row in rows}) == len(rows) == 16  # each line once
+        assert len({row["custom_id"] for row in rows}) == len(rows) == len(lines)  # each line once
         return {row["custom_id"]: (row["response"]["status_code"], row["response"]["body"]["text"]) for row in rows}
     assert answers(resumed) == {key: (row["response"]["status_code"], row["response"]["body"]["text"])
                                 for key, row in whole.items()}
