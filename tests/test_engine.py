@@ -329,7 +329,8 @@ def test_a_consumer_cancelled_before_the_engine_thread_adds_its_request_frees_it
 
     async def cancelled_at_once():
         task = asyncio.create_task(collect(engine, make_request(tokenizer, "long", (), 200)))
-        await asyncio.sleep(0.1)  # the add is in the inbox; the engine thread holds
+        while engine._inbox.empty():  # until the add is in the inbox (the engine thread holds)
+            await asyncio.sleep(0.01)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     asyncio.run(cancelled_at_once())
