@@ -56,6 +56,7 @@ TIMED_CLUSTERS = "timed-clusters"
 IN_TIMED_CLUSTERS = ("tests.test_autoscaling_cluster", "tests.test_cluster_operations", "tests.test_app_cli",
                      "tests/test_bench_scripts.py::test_scaleout_bench_smoke")
 SECONDS_ALONE = {
+    # the shared app's two units: its 360 s alone split as their modules' shares of a run
     TIMED_CLUSTERS: 350, "on-the-shared-app-a": 165, "on-the-shared-app-b": 195,
     "tests/test_bench_scripts.py::test_e2e_bench_smoke": 56,
     "tests/test_bench_scripts.py::test_serve_bench_smoke": 45, "tests.test_attention": 44,
