@@ -43,10 +43,10 @@ def build(config: AppConfig) -> Application:
                                     f"local directory of DeepSeek-OCR's released files (config.json, "
                                     f"model*.safetensors, tokenizer.json)")
         check_model_config(checkpoint)
-    return Router.bind([_tiers(model) for model in config.served_models()], config)
+    return Router.bind([model_tiers(model) for model in config.served_models()], config)
 
 
-def _tiers(model: ServedModel) -> ModelTiers:
+def model_tiers(model: ServedModel) -> ModelTiers:
     """One model's deployments, named for it when the app serves several (`Decoder-<name>`)."""
     config = model.config
     if config.encoder_in_router:  # both paths in the Router's own process: no encoder deployment

@@ -220,18 +220,26 @@ def serve_app():
 
 def routers_over_the_shared_tiers(name: str, config, routers: int = 1, own_decoder: bool = False) -> str:
     """An app beside the shared one of `routers` Router replicas with `config`, over the shared
-    app's encoders and its Decoder, or (`own_decoder`) a Decoder of `config`'s: only those
-    replicas start (each ~3 CPU-s of imports; the suite is CPU-bound). Its URL; the caller
+    app's tiers where `config` has them as it does: its two path encoders (an app of one
+    Encoder, or of the encoder in its Routers, starts its own as `build` binds them), and its
+    Decoder unless `own_decoder` (a Decoder of `config`'s) or `config` is encode-only. Only
+    those replicas start (each ~3 CPU-s of imports; the suite is CPU-bound). Its URL; the caller
     deletes it (`serve.delete(name)`)."""
     from ray import serve
 
-    from deployments.decoder_server import DecoderServer
+    from deployments.app import model_tiers
     from deployments.placement import ModelTiers
     from deployments.router import Router
-    tiers = [serve.get_deployment_handle(tier, SERVE_APP) for tier in ("GlobalEncoder", "LocalEncoder", "Decoder")]
-    if own_decoder:
-        tiers[2] = DecoderServer.options(name="Decoder").bind(config)
-    serve.run(Router.options(num_replicas=routers).bind(ModelTiers.of(config, *tiers), config),
+    (model,) = config.served_models()
+    built = model_tiers(model)
+
+    def shared(tier):
+        return serve.get_deployment_handle(tier, SERVE_APP)
+    two_paths = not (config.one_encoder or config.encoder_in_router)
+    encoders = (shared("GlobalEncoder"), shared("LocalEncoder")) if two_paths else (
+        built.global_encoder, built.local_encoder)
+    decoder = built.decoder if own_decoder or config.encode_only else shared("Decoder")
+    serve.run(Router.options(num_replicas=routers).bind([ModelTiers(model, *encoders, decoder)], config),
               name=name, route_prefix=f"/{name}")
     return f"{SERVE_URL}/{name}"
 

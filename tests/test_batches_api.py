@@ -14,7 +14,7 @@ from PIL import Image
 
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
-from tests.conftest import SERVE_URL  # noqa: E402
+from tests.conftest import SERVE_URL, routers_over_the_shared_tiers  # noqa: E402
 
 
 def png(seed: int) -> str:
@@ -146,18 +146,18 @@ def test_unknown_files_and_batches_are_404(client):
 
 
 def test_an_app_stopped_then_its_router_killed_mid_batch_finishes_it_as_an_uninterrupted_run(client, tmp_path):
-    """A second app on its own store (beside the shared one, under /restart): a batch started;
-    the app deleted once some lines are answered (its Router's graceful shutdown gives the batch
-    back) and started again on the same store, which goes on from the recorded lines; then that
-    Router's process killed mid-batch (its lease runs out: `batch_lease_s`, 2 s here) and the
-    replica Serve starts in its place takes the batch on. Each line is in the output once, and
-    the output equals the same file's batch run without a stop."""
+    """A second app on its own store (a Router over the shared app's tiers, under
+    /batch-restart): a batch started; the app deleted once some lines are answered (its Router's
+    graceful shutdown gives the batch back) and started again on the same store, which goes on
+    from the recorded lines; then that Router's process killed mid-batch (its lease runs out:
+    `batch_lease_s`, 2 s here) and the replica Serve starts in its place takes the batch on.
+    Each line is in the output once, and the output equals the same file's batch run without a
+    stop."""
     import os
     import signal
 
     from ray import serve
 
-    from deployments.app import build
     from deployments.batch_store import BatchStore, FileStorage
     from deployments.config import AppConfig
     config = AppConfig(max_len=2048, max_images=8, batch_store=str(tmp_path / "batches.db"),
@@ -165,11 +165,10 @@ def test_an_app_stopped_then_its_router_killed_mid_batch_finishes_it_as_an_unint
     bodies = [{"image": png(20 + i), "mode": "tiny", "max_tokens": 48} for i in range(24)]
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/ocr", "body": b} for i, b in enumerate(bodies)]
     data = "\n".join(map(json.dumps, lines)).encode()
-    restart = openai.OpenAI(base_url=f"{SERVE_URL}/restart/v1", api_key="unused", max_retries=0)
     deadline = time.monotonic() + 180
 
     def start():
-        serve.run(build(config), name="batch-restart", route_prefix="/restart")
+        return routers_over_the_shared_tiers("batch-restart", config)
 
     def batch_when(done):
         """The batch once `done(batch)`; the calls that reach no Router while a killed one is
@@ -187,7 +186,7 @@ def test_an_app_stopped_then_its_router_killed_mid_batch_finishes_it_as_an_unint
     def batch_once(completed: int):
         """The batch once `completed` lines are recorded (or it ended)."""
         return batch_when(lambda b: b.request_counts.completed >= completed or b.status == "completed")
-    start()
+    restart = openai.OpenAI(base_url=f"{start()}/v1", api_key="unused", max_retries=0)
     try:
         upload = restart.files.create(file=("in.jsonl", data), purpose="batch")
         batch_id = restart.batches.create(input_file_id=upload.id, endpoint="/v1/ocr", completion_window="24h").id

@@ -23,6 +23,7 @@ from encoder import DualPathEncoder, ImageError, load_encoder  # noqa: E402
 from ray.exceptions import RayTaskError  # noqa: E402
 from tests.conftest import SERVE_APP as APP  # noqa: E402
 from tests.conftest import SERVE_URL as URL  # noqa: E402
+from tests.conftest import routers_over_the_shared_tiers  # noqa: E402
 from tests.helpers import assert_clean_error, truncated_image  # noqa: E402
 
 # untiled photo, A4 page at 144 dpi (2x3), 1x6 strip, an image <= 640 (never tiled)
@@ -228,9 +229,9 @@ def test_encode_only_app_with_views_made_by_the_router(handle):
     """views_on_encoder=false (routers decode and resize with PIL, the reference path) gives the
     same sequences as the default, for PNG and JPEG bytes (routers read their headers, the
     encoders decode them and make the views) and PIL images (routers decode)."""
-    from deployments.app import build
-    config = AppConfig(encode_only=True, views_on_encoder=False)
-    encode_only = serve.run(build(config), name="encode-only", route_prefix="/enc")
+    # Routers of that config over the shared app's encoders, which take views as they take bytes
+    url = routers_over_the_shared_tiers("encode-only", AppConfig(encode_only=True, views_on_encoder=False))
+    encode_only = serve.get_app_handle("encode-only")
     try:
         for size, seed in [((1400, 700), 3), ((448, 448), 4)]:
             (seq,) = encode_only.encode.remote(picture(size, seed)).result(timeout_s=300)
@@ -245,7 +246,7 @@ def test_encode_only_app_with_views_made_by_the_router(handle):
             encode_only.ocr.remote(picture((64, 64), 1)).result(timeout_s=60)
         for fmt in ("PNG", "JPEG"):  # decoded by the router: its own error, named
             body = {"image": base64.b64encode(truncated_image(fmt)).decode()}
-            response = requests.post(f"{URL}/enc/v1/encode", json=body, timeout=120)
+            response = requests.post(f"{url}/v1/encode", json=body, timeout=120)
             assert_clean_error(response, 400, "cannot decode image", "image")
     finally:
         serve.delete("encode-only")
@@ -257,13 +258,13 @@ def test_one_encoder_app_equals_the_two_encoder_app(handle, placement):
     """one_encoder (both paths in one Encoder deployment, one call per image) and
     encoder_in_router (that Encoder's class in the Router's process, no encoder deployment) give
     the same sequences and text as the default app; the Encoder batches images across requests,
-    takes untiled and tiled images, refuses malformed requests alone, and /ready names it."""
-    from deployments.app import build
+    takes untiled and tiled images, refuses malformed requests alone, and /ready names it. (The
+    app's Decoder is the shared app's: the placements differ in their encoders alone.)"""
     from encoder import DecodedImage
     from encoder.preprocess import count_tokens
     name = placement.replace("_", "-")
-    one = serve.run(build(AppConfig(**{placement: True}, max_len=2048, max_images=8)), name=name,
-                    route_prefix=f"/{name}")
+    routers_over_the_shared_tiers(name, AppConfig(**{placement: True}, max_len=2048, max_images=8))
+    one = serve.get_app_handle(name)
     try:
         for size, _ in CASES:
             (expected,) = handle.encode.remote(picture(size, sum(size))).result(timeout_s=300)
@@ -289,7 +290,7 @@ def test_one_encoder_app_equals_the_two_encoder_app(handle, placement):
 
         if placement == "encoder_in_router":
             deployments = serve.status().applications[name].deployments
-            assert set(deployments) == {"Router", "Decoder"}
+            assert set(deployments) == {"Router"}  # no encoder deployment (its Decoder: shared)
             calls = [one.encode.remote(png(picture((1400, 700), i))) for i in range(12)]
             assert all(c.result(timeout_s=300)[0].shape[0] == count_tokens((2, 1)) for c in calls)
             stats = one.stats.remote().result()["encoder"]  # batched across the handle's calls
