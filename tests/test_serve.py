@@ -341,8 +341,9 @@ def test_encoders_refuse_bad_decoded_requests_alone(handle):
 @pytest.mark.slow
 def test_readme_handle_example_runs_from_a_second_process(handle, tmp_path):
     """The README's Python-handle block, as written, in a fresh interpreter that joins this
-    cluster (named by RAY_ADDRESS, which `address="auto"` reads); only the app name and the image
-    path are this test's."""
+    cluster (named by RAY_ADDRESS, which `address="auto"` reads); only the app name, the image
+    path and the token limits are this test's (the tiny random model never stops: the
+    README's limits made this test 15.5 s alone, 16 tokens 5.8 s)."""
     import os
     import re
     import subprocess
@@ -355,6 +356,7 @@ def test_readme_handle_example_runs_from_a_second_process(handle, tmp_path):
     picture((1191, 1684), 5).save(page)
     code = (code.replace('"default"', repr(APP)).replace("/abs/path/page.png", str(page))
             .replace('open("page.png"', f'open({str(page)!r}'))
+    code = re.sub(r"max_tokens=\d+", "max_tokens=16", code)
     script = tmp_path / "example.py"
     script.write_text(code + "\nprint('RESULT', result['usage'], seq.shape)\n")
     # address="auto" joins the newest cluster on the machine, and another worker's may be newer:
