@@ -77,16 +77,22 @@ def ocr2_checkpoint():
 
 @pytest.fixture
 def three_models(serve_app):
-    """DeepSeek-OCR's tiny model as `a` (two path encoders), and DeepSeek-OCR-2's tiny one
-    twice: `b` on two path encoders (the router lays the sequence out), `c` on one Encoder.
-    Deleted after its test: its ten replicas and the next test's app would not fit the test
-    cluster's CPUs together."""
+    """DeepSeek-OCR's tiny model as `a` (two path encoders: the shared app's, the same model),
+    and DeepSeek-OCR-2's tiny one twice: `b` on two path encoders (the router lays the sequence
+    out), `c` on one Encoder. Deleted after its test: its seven replicas and the next test's
+    app would not fit the test cluster's CPUs together."""
     from ray import serve
 
-    from deployments.app import build
-    app = build(AppConfig(max_len=2048, max_images=4, models=[
+    from deployments.app import model_tiers
+    from deployments.placement import ModelTiers
+    from deployments.router import Router
+    from tests.conftest import SERVE_APP
+    config = AppConfig(max_len=2048, max_images=4, models=[
         {"name": "a"}, {"name": "b", "checkpoint": "tiny-random-ocr2"},
-        {"name": "c", "checkpoint": "tiny-random-ocr2", "one_encoder": True}]))
+        {"name": "c", "checkpoint": "tiny-random-ocr2", "one_encoder": True}])
+    a, *others = config.served_models()
+    shared = [serve.get_deployment_handle(tier, SERVE_APP) for tier in ("GlobalEncoder", "LocalEncoder", "Decoder")]
+    app = Router.bind([ModelTiers(a, *shared)] + [model_tiers(model) for model in others], config)
     yield serve.run(app, name="models", route_prefix="/models")
     serve.delete("models")
 
@@ -100,9 +106,8 @@ def test_requests_choose_their_model(three_models, ocr2_checkpoint):
     from encoder import DEEPSEEK_OCR_2, DualPathEncoder, decode, load_encoder
     from tests.conftest import SERVE_URL
     url = f"{SERVE_URL}/models"
-    deployments = set(serve.status().applications["models"].deployments)
-    assert deployments == {"Router", "GlobalEncoder-a", "LocalEncoder-a", "Decoder-a", "GlobalEncoder-b",
-                           "LocalEncoder-b", "Decoder-b", "Encoder-c", "Decoder-c"}
+    deployments = set(serve.status().applications["models"].deployments)  # (a's: the shared app's)
+    assert deployments == {"Router", "GlobalEncoder-b", "LocalEncoder-b", "Decoder-b", "Encoder-c", "Decoder-c"}
     assert [m["id"] for m in requests.get(f"{url}/v1/models", timeout=60).json()["data"]] == ["a", "b", "c"]
     assert requests.get(f"{url}/v1/models/b", timeout=60).json()["id"] == "b"
     # Polled as a probe is: while no Router has answered /ready in half a second (its first
@@ -112,7 +117,8 @@ def test_requests_choose_their_model(three_models, ocr2_checkpoint):
         if ready["status"] != "starting":
             break
         time.sleep(1)
-    assert ready["status"] == "ready" and set(ready["tiers"]) == deployments - {"Router"}
+    assert ready["status"] == "ready" and set(ready["tiers"]) == deployments - {"Router"} | {
+        "GlobalEncoder-a", "LocalEncoder-a", "Decoder-a"}
 
     ocr2_tokens = DEEPSEEK_OCR_2.count_tokens(decode(IMAGE, tiling=DEEPSEEK_OCR_2).grid)
     body = {"image": base64.b64encode(IMAGE).decode(), "max_tokens": 6}
