@@ -144,21 +144,21 @@ def batch_env() -> dict:
 
 def test_the_batch_command_equals_the_service_and_a_run_killed_midway_is_finished_by_a_rerun(
         serve_app, tmp_path):
-    """`deepseek-ocr batch` into a folder (Parquet, its default), killed (SIGTERM) once its first
-    rows are written; of what it wrote, a file cut off mid-write (as by a kill while writing);
-    then the same command again (JSONL) with a new file among the inputs: it removes the cut
-    file, skips the pages still written, does the others and the new file, and prints its
-    summary. In the end a row per page, none twice (a tiled image, an untiled one, a PDF's two
-    pages each rendered as the service renders it, the new image), each equal to the service's
-    answer with the same options (text, finish reason, usage), and an error row for a file
-    that is no image. A glob names only what it matches. A bad option exits 2 naming it, before
-    any cluster is joined. (Two Ray Data jobs: each starts its own actor pools, seconds of 2
-    cores.)"""
+    """`deepseek-ocr batch` into a folder (Parquet, its default): a row per page (a tiled image,
+    an untiled one, a PDF's two pages each rendered as the service renders it), each equal to
+    the service's answer with the same options (text, finish reason, usage), an error row for a
+    file that is no image, its summary printed. The same command into another folder, killed
+    (SIGTERM) once its first rows are written; of what it wrote, a file cut off mid-write (as by
+    a kill while writing); then a rerun (JSONL, through `run`, in this process) removes the cut
+    file, skips the pages still written, does the others and a new file: the rows end equal to
+    the uninterrupted run's, plus the new one, none twice. A glob names only what it matches. A
+    bad option exits 2 naming it, before any cluster is joined. (Three Ray Data jobs in all:
+    each starts its own actor pools, seconds of 2 cores.)"""
     import signal
     import subprocess
     import time
 
-    from deployments.offline_run import done_pages, find_files
+    from deployments.offline_run import done_pages, find_files, run
     inputs = tmp_path / "in"
     (inputs / "scans").mkdir(parents=True)
     files = {"wide.png": noise_png((1400, 700), 1), "scans/square.png": noise_png((448, 448), 2),
@@ -168,44 +168,47 @@ def test_the_batch_command_equals_the_service_and_a_run_killed_midway_is_finishe
     (inputs / "notes.txt").write_text("not an input")
     options, out = {"max_tokens": 6, "prompt": "<image>\nFree OCR."}, tmp_path / "out"
     arguments = [str(inputs), "--max-tokens", "6", "--prompt", options["prompt"],
-                 "--address", ray.get_runtime_context().gcs_address, "--out", str(out)]
-    killed = subprocess.Popen(batch_argv(*arguments), env=batch_env(),
+                 "--address", ray.get_runtime_context().gcs_address]
+    done = batch_command(*arguments, "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = json.loads(done.stdout[done.stdout.index("{"):])
+    assert (first["files"], first["pages"], first["errors"], first["pages_done_before"]) == (4, 5, 1, 0)
+    assert first["completion_tokens"] == 24
+    answers = {(str(inputs / name), 0): served("image", files[name], options)
+               for name in ("wide.png", "scans/square.png")}
+    answers |= {(str(inputs / "scans/two.pdf"), page["index"]): page
+                for page in served("document", files["scans/two.pdf"], options)["pages"]}
+    rows = {(row["source"], row["page"]): row for row in read_rows(out, keep=None)}
+    assert set(rows) == set(answers) | {(str(inputs / "broken.jpg"), 0)}
+    for key, answer in answers.items():
+        row = rows[key]
+        assert row["error"] is None and row["text"] == answer["text"], (row, answer)
+        assert row["finish_reason"] == answer["finish_reason"]
+        assert {k: row[k] for k in answer["usage"]} == answer["usage"]
+    broken = rows[(str(inputs / "broken.jpg"), 0)]
+    assert broken["text"] is None and broken["error"].startswith("image: cannot decode image")
+
+    killed_out = tmp_path / "killed"
+    killed = subprocess.Popen(batch_argv(*arguments, "--out", str(killed_out)), env=batch_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     deadline = time.monotonic() + 300
-    while not complete_files(out) and killed.poll() is None and time.monotonic() < deadline:
+    while not complete_files(killed_out) and killed.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     killed.send_signal(signal.SIGTERM)
     stdout, _ = killed.communicate(timeout=120)
     assert killed.returncode != 0 and "pages_per_s" not in stdout  # killed before its summary
-    written = done_pages(str(out))  # (a file the kill left half-written: removed)
+    written = done_pages(str(killed_out))  # (a file the kill left half-written: removed)
     print(f"\nkilled with {len(written)} of 5 pages written")
-    cut = max(complete_files(out), key=lambda path: path.stat().st_size)
+    cut = max(complete_files(killed_out), key=lambda path: path.stat().st_size)
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
-    files["c.png"] = noise_png((320, 240), 3)
-    (inputs / "c.png").write_bytes(files["c.png"])
-
-    done = batch_command(*arguments, "--format", "jsonl")
-    assert done.returncode == 0, done.stderr[-3000:]
+    (inputs / "c.png").write_bytes(noise_png((320, 240), 3))
+    redone = run([str(inputs)], str(killed_out), "jsonl", **options)
     assert not cut.exists()  # unreadable: removed, its pages done again
-    redone = json.loads(done.stdout[done.stdout.index("{"):])
     assert redone["files"] == 5 and redone["pages"] + redone["pages_done_before"] == 6
     assert redone["pages_done_before"] < 5  # at least the cut file's pages done again
-    answers = {(str(inputs / name), 0): served("image", files[name], options)
-               for name in ("wide.png", "scans/square.png", "c.png")}
-    answers |= {(str(inputs / "scans/two.pdf"), page["index"]): page
-                for page in served("document", files["scans/two.pdf"], options)["pages"]}
-    rows = read_rows(out, keep=None)
-    by_page = {(row["source"], row["page"]): row for row in rows}
-    assert len(by_page) == len(rows) == 6  # each page once
-    assert set(by_page) == set(answers) | {(str(inputs / "broken.jpg"), 0)}
-    for key, answer in answers.items():
-        row = by_page[key]
-        assert row["error"] is None and row["text"] == answer["text"], (row, answer)
-        assert row["finish_reason"] == answer["finish_reason"]
-        assert {k: row[k] for k in answer["usage"]} == answer["usage"]
-    broken = by_page[(str(inputs / "broken.jpg"), 0)]
-    assert broken["text"] is None and broken["error"].startswith("image: cannot decode image")
-    assert sum(row["completion_tokens"] or 0 for row in rows) == 5 * 6
+    uninterrupted = read_rows(out)
+    assert [r for r in read_rows(killed_out) if not r["source"].endswith("/c.png")] == uninterrupted
+    assert len(read_rows(killed_out)) == 6
     _, matched = find_files([str(inputs) + "/*.png"])  # not scans/square.png
     assert [path.rsplit("/", 1)[1] for path in matched] == ["c.png", "wide.png"]
     refused = batch_command(str(inputs), "--out", str(out), "--mode", "huge", timeout=120)
