@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import tempfile
 import time
 
@@ -94,8 +95,8 @@ def resolve_checkpoint(checkpoint: str | None) -> tuple[str, str]:
         write_random_model(staging, vision, language, seed=0, dtype=torch.float32)
         try:
             os.rename(staging, directory)
-        except OSError:  # another replica won; its copy is identical
-            pass
+        except OSError:  # another replica won; its copy is identical, and this one is not kept
+            shutil.rmtree(staging, ignore_errors=True)
     return directory, name
 
 

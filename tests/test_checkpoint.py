@@ -177,6 +177,24 @@ def test_loads_onto_the_gpu_equal_loads_on_the_cpu(tmp_path):
             assert on_gpu[key].is_cuda and torch.equal(on_gpu[key].cpu(), value), key
 
 
+def test_a_replica_that_loses_the_race_to_write_the_tiny_model_keeps_no_copy(tmp_path, monkeypatch):
+    """Replicas on one node may each write the tiny random model: the one whose rename finds
+    another's copy in place removes its own (66 MB each, left in the temp folder before)."""
+    import tempfile
+
+    from deployments import model_source
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    write = model_source.write_random_model
+
+    def write_while_another_replica_wins(staging, *args, **kwargs):
+        write(staging, *args, **kwargs)
+        write(tmp_path / f"deepseek-ocr-serve-{model_source.TINY_LABEL}-v2", *args, **kwargs)
+    monkeypatch.setattr(model_source, "write_random_model", write_while_another_replica_wins)
+    directory, _ = model_source.resolve_checkpoint(None)
+    assert os.path.isfile(os.path.join(directory, "tokenizer.json"))
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(directory)]
+
+
 LOAD_WITHOUT_THE_COMPILER = """
 import sys
 import torch
