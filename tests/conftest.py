@@ -177,6 +177,7 @@ class SharedApp:
 
     def __init__(self):
         self.handle = None
+        self.batch_jobs = None  # its batch store's folder (~15 MB after the suite), removed at stop
 
     def start(self):
         if self.handle is None:
@@ -190,7 +191,7 @@ class SharedApp:
             ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=METRICS_PORT)
             serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
             import tempfile
-            batch_jobs = tempfile.mkdtemp(prefix="batch-jobs-")  # this suite's own batch store
+            self.batch_jobs = batch_jobs = tempfile.mkdtemp(prefix="batch-jobs-")  # this suite's own batch store
             self.handle = serve.run(build(AppConfig(max_len=2048, max_images=8, max_pages=400,
                                                     batch_store=f"{batch_jobs}/batches.db",
                                                     batch_files=f"{batch_jobs}/files", batch_file_mb=16)),
@@ -204,6 +205,8 @@ class SharedApp:
             self.handle = None
             serve.shutdown()
             ray.shutdown()
+            import shutil
+            shutil.rmtree(self.batch_jobs, ignore_errors=True)
 
 
 SHARED_APP = SharedApp()
