@@ -383,8 +383,7 @@ def repetition(config: str, levels, pages: dict, first_page: bytes, first_tokens
     try:
         cold_start, ready_s, first = wait_for_first_page(server, started, first_page, first_tokens, log_path)
         print(f"cold start {cold_start:.1f} s (/ready 200 at {ready_s} s)", flush=True)
-        log.flush()
-        startup_text = open(log_path, errors="replace").read()
+        startup_text = log_once(log_path, dict(STARTUP_MARKS)["ready"] if ready_s else None)
         startup_log.write(startup_text)
         phases = startup_phases(startup_text, started_at)
         print("start-up:", ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()), flush=True)
@@ -445,6 +444,19 @@ STARTUP_MARKS = (("serve_run_started", r"Running config file"), ("ray_started", 
                  ("serve_started", r"Started Serve in namespace"), ("replicas_started", r"replica started:"),
                  ("ready", r"GET /ready 200"))
 _LOG_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")
+
+
+def log_once(path: str, pattern: str | None, timeout_s: float = 30) -> str:
+    """The log's text once `pattern` is in it, or as it is after `timeout_s`: Ray forwards a
+    replica's lines (the /ready answer's) to `serve run`'s output a moment after they are
+    written, and on a loaded machine seconds after (a 2-core run of the suite read the log
+    before that line came)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = open(path, errors="replace").read()
+        if pattern is None or re.search(pattern, text) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.2)
 
 
 def startup_phases(log: str, started_at: float) -> dict[str, float]:
