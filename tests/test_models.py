@@ -79,7 +79,7 @@ def ocr2_checkpoint():
 def three_models(serve_app):
     """DeepSeek-OCR's tiny model as `a` (two path encoders: the shared app's, the same model),
     and DeepSeek-OCR-2's tiny one twice: `b` on two path encoders (the router lays the sequence
-    out), `c` on one Encoder. Deleted after its test: its seven replicas and the next test's
+    out), `c` on one Encoder. Deleted after its test: its six replicas and the next test's
     app would not fit the test cluster's CPUs together."""
     from ray import serve
 
