@@ -191,10 +191,10 @@ class SharedApp:
             ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=METRICS_PORT)
             serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
             import tempfile
-            self.batch_jobs = batch_jobs = tempfile.mkdtemp(prefix="batch-jobs-")  # this suite's own batch store
+            self.batch_jobs = tempfile.mkdtemp(prefix="batch-jobs-")  # this suite's own batch store
             self.handle = serve.run(build(AppConfig(max_len=2048, max_images=8, max_pages=400,
-                                                    batch_store=f"{batch_jobs}/batches.db",
-                                                    batch_files=f"{batch_jobs}/files", batch_file_mb=16)),
+                                                    batch_store=f"{self.batch_jobs}/batches.db",
+                                                    batch_files=f"{self.batch_jobs}/files", batch_file_mb=16)),
                                     name=SERVE_APP, route_prefix="/")
         return self.handle
 
@@ -221,6 +221,13 @@ def serve_app():
     return SHARED_APP.start()
 
 
+def shared_tier(name: str):
+    """A handle to one of the shared app's deployments (`GlobalEncoder`, `LocalEncoder`,
+    `Decoder`, `Router`), for apps that run over them."""
+    from ray import serve
+    return serve.get_deployment_handle(name, SERVE_APP)
+
+
 def routers_over_the_shared_tiers(name: str, config, routers: int = 1, own_decoder: bool = False) -> str:
     """An app beside the shared one of `routers` Router replicas with `config`, over the shared
     app's tiers where `config` has them as it does: its two path encoders (an app of one
@@ -235,13 +242,10 @@ def routers_over_the_shared_tiers(name: str, config, routers: int = 1, own_decod
     from deployments.router import Router
     (model,) = config.served_models()
     built = model_tiers(model)
-
-    def shared(tier):
-        return serve.get_deployment_handle(tier, SERVE_APP)
     two_paths = not (config.one_encoder or config.encoder_in_router)
-    encoders = (shared("GlobalEncoder"), shared("LocalEncoder")) if two_paths else (
+    encoders = (shared_tier("GlobalEncoder"), shared_tier("LocalEncoder")) if two_paths else (
         built.global_encoder, built.local_encoder)
-    decoder = built.decoder if own_decoder or config.encode_only else shared("Decoder")
+    decoder = built.decoder if own_decoder or config.encode_only else shared_tier("Decoder")
     serve.run(Router.options(num_replicas=routers).bind([ModelTiers(model, *encoders, decoder)], config),
               name=name, route_prefix=f"/{name}")
     return f"{SERVE_URL}/{name}"
@@ -256,6 +260,5 @@ def pytest_runtest_teardown(item, nextitem):
 
 def replica_ids() -> dict[str, str]:
     """Each deployment's replica id (one replica each): a replaced replica shows a new id."""
-    from ray import serve
-    return {name: serve.get_deployment_handle(name, SERVE_APP).stats.remote().result(timeout_s=60)["replica"]
+    return {name: shared_tier(name).stats.remote().result(timeout_s=60)["replica"]
             for name in ("Router", "GlobalEncoder", "LocalEncoder", "Decoder")}

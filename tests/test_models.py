@@ -86,12 +86,12 @@ def three_models(serve_app):
     from deployments.app import model_tiers
     from deployments.placement import ModelTiers
     from deployments.router import Router
-    from tests.conftest import SERVE_APP
+    from tests.conftest import shared_tier
     config = AppConfig(max_len=2048, max_images=4, models=[
         {"name": "a"}, {"name": "b", "checkpoint": "tiny-random-ocr2"},
         {"name": "c", "checkpoint": "tiny-random-ocr2", "one_encoder": True}])
     a, *others = config.served_models()
-    shared = [serve.get_deployment_handle(tier, SERVE_APP) for tier in ("GlobalEncoder", "LocalEncoder", "Decoder")]
+    shared = [shared_tier(tier) for tier in ("GlobalEncoder", "LocalEncoder", "Decoder")]
     app = Router.bind([ModelTiers(a, *shared)] + [model_tiers(model) for model in others], config)
     yield serve.run(app, name="models", route_prefix="/models")
     serve.delete("models")
